@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Quick start, command 2: set up .venv with the test extras (idempotent), then run the tests,
+# ruff and mypy. Extra arguments go to pytest, e.g. -k accumulator.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev,mindspore,bench
+.venv/bin/python -m pytest "$@"
+.venv/bin/ruff check src tests
+.venv/bin/mypy

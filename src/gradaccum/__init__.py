@@ -1,0 +1,31 @@
+"""gradaccum: train with a large effective batch on a device that holds only a small one.
+
+Split each batch into micro-batches, accumulate their gradients, update once: exactly the same
+update as the large batch, to float tolerance.
+
+Example:
+    >>> import torch, gradaccum
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> acc = gradaccum.Accumulator(opt, steps=4)
+    >>> for xb in torch.randn(16, 4).split(4):
+    ...     stepped = acc.backward(model(xb).pow(2).mean())
+    >>> acc.optimizer_steps
+    1
+"""
+
+from gradaccum.core import Schedule, check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
+from gradaccum.torch import Accumulator, MicroBatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulator",
+    "MicroBatch",
+    "Schedule",
+    "__version__",
+    "check_batch_sizes",
+    "lr_scale",
+    "resolve_batch_sizes",
+    "split_sizes",
+]

@@ -1,0 +1,51 @@
+"""The ``gradaccum`` command line: one small module per command.
+
+Each command module exposes ``add_parser(subparsers)``, which registers its parser and sets
+``func`` (called with the parsed arguments, returning the exit code). Command modules are
+imported only when they run, so ``gradaccum --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# name -> (module, one-line help). Modules are imported lazily.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("gradaccum.cli.info", "print versions, threads and devices"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per command."""
+    from gradaccum import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gradaccum",
+        description="Exact gradient accumulation: a large effective batch from small micro-batches.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradaccum {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(COMMANDS[name][0])
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    Example:
+        >>> main(["info"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)

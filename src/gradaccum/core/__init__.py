@@ -1,0 +1,30 @@
+"""The pure core of gradaccum: window arithmetic, schedules, batch plans and validation.
+
+Nothing here imports a framework, so every backend (PyTorch, MindSpore) shares these rules and
+they can be tested in microseconds.
+"""
+
+from gradaccum.core.errors import (
+    check_nonneg_int,
+    check_optional_positive_float,
+    check_positive_float,
+    check_positive_int,
+)
+from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
+from gradaccum.core.schedule import Schedule, as_schedule
+from gradaccum.core.window import Weighting, Window
+
+__all__ = [
+    "Schedule",
+    "Weighting",
+    "Window",
+    "as_schedule",
+    "check_batch_sizes",
+    "check_nonneg_int",
+    "check_optional_positive_float",
+    "check_positive_float",
+    "check_positive_int",
+    "lr_scale",
+    "resolve_batch_sizes",
+    "split_sizes",
+]

@@ -1,0 +1,140 @@
+"""The accumulation window: micro-step counting, item totals, boundaries, normalization factors.
+
+A *window* is the run of micro-batches whose gradients add up to one optimizer update. This
+module holds its arithmetic as a small immutable record, free of any framework, so that every
+backend (PyTorch, MindSpore) applies the same rules:
+
+* **mean weighting** (no ``n_items``): the window's gradient is the mean of its micro-batch
+  gradients. The size ``N`` is known when the window opens, so each micro-batch loss is scaled by
+  ``1/N`` up front and a full window needs no pass over the gradients. A window flushed after
+  ``r < N`` micro-batches is corrected by ``N/r``: it is the mean over ``r``, not divided by ``N``.
+* **item weighting** (``n_items`` on every micro-batch): the window's gradient is the gradient of
+  ``sum(n_i * loss_i) / sum(n_i)``. The total is unknown until the boundary, so each loss is
+  multiplied by its ``n_i`` and the gradients are divided once, at the boundary.
+
+Totals may be plain ints or framework scalars (a device tensor of token counts): the record only
+adds and divides them, so no value is read back to the host on a micro-step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from gradaccum.core.errors import check_positive_int
+
+__all__ = ["Weighting", "Window"]
+
+Weighting = Literal["mean", "items"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """State of one accumulation window.
+
+    Attributes:
+        size: micro-batches that complete the window (``N``).
+        micro_step: micro-batches fed so far (0 when the window is empty).
+        weighting: ``"mean"`` or ``"items"``, fixed by the window's first micro-batch; ``None``
+            while the window is empty.
+        items: running total of ``n_items`` (item weighting only); an int or a framework scalar.
+
+    Example:
+        >>> w = Window(size=2)
+        >>> w.loss_factor(None)
+        0.5
+        >>> w = w.advance(None)
+        >>> w.complete, w.grad_factor()
+        (False, 2.0)
+        >>> w.advance(None).grad_factor()
+        1.0
+    """
+
+    size: int
+    micro_step: int = 0
+    weighting: Weighting | None = None
+    items: Any = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("steps", self.size)
+
+    @property
+    def empty(self) -> bool:
+        """True when no micro-batch has been fed to this window."""
+        return self.micro_step == 0
+
+    @property
+    def complete(self) -> bool:
+        """True when the window holds ``size`` micro-batches: the optimizer steps now."""
+        return self.micro_step >= self.size
+
+    @property
+    def next_is_last(self) -> bool:
+        """True when the *next* micro-batch completes the window (sync its backward)."""
+        return self.micro_step + 1 >= self.size
+
+    def weighting_for(self, n_items: Any) -> Weighting:
+        """Return the weighting a micro-batch with ``n_items`` implies for this window.
+
+        Raises:
+            ValueError: the window already holds micro-batches of the other form (one window
+                cannot mix mean and item weighting: the result would have no meaning).
+        """
+        wanted: Weighting = "mean" if n_items is None else "items"
+        if self.weighting is not None and wanted != self.weighting:
+            raise ValueError(
+                f"n_items={n_items!r} mixes weightings inside one window: its first "
+                f"{self.micro_step} micro-batch(es) used "
+                f"{'no n_items' if self.weighting == 'mean' else 'n_items'}; pass n_items on "
+                "every micro-batch of a window or on none"
+            )
+        return wanted
+
+    def loss_factor(self, n_items: Any) -> Any:
+        """Factor applied to a micro-batch's mean loss before its backward.
+
+        Returns:
+            ``1/size`` under mean weighting, ``n_items`` under item weighting.
+        """
+        return 1.0 / self.size if n_items is None else n_items
+
+    def advance(self, n_items: Any) -> Window:
+        """Return the window after one more micro-batch (validated by :meth:`weighting_for`)."""
+        weighting = self.weighting_for(n_items)
+        items = self.items if n_items is None else self.items + n_items
+        return replace(self, micro_step=self.micro_step + 1, weighting=weighting, items=items)
+
+    def grad_factor(self, items: Any = None) -> Any:
+        """Factor that turns the accumulated gradient into the window's gradient.
+
+        Args:
+            items: under item weighting, the window's item total (after any cross-rank
+                reduction, expressed per rank the way the gradients are); defaults to
+                :attr:`items`.
+
+        Returns:
+            ``size / micro_step`` under mean weighting (exactly 1.0 for a full window, so no
+            pass is needed), ``1 / items`` under item weighting.
+
+        Raises:
+            ValueError: the window is empty.
+        """
+        if self.empty:
+            raise ValueError("an empty window has no gradient to normalize")
+        if self.weighting == "mean":
+            return self.size / self.micro_step
+        return 1.0 / (self.items if items is None else items)
+
+    def resized(self, size: int) -> Window:
+        """Return this window with another size; only an empty window may change size.
+
+        Raises:
+            ValueError: the window already holds micro-batches (a size change waits for the
+                boundary).
+        """
+        if not self.empty and size != self.size:
+            raise ValueError(
+                f"steps can change only at a window boundary: the window holds "
+                f"{self.micro_step} of {self.size} micro-batches, new steps={size!r}"
+            )
+        return Window(size=size)

@@ -1,0 +1,121 @@
+"""A small reader of MNIST's IDX files (gzip), checked against their known md5 sums.
+
+The four files ship inside the package (``gradaccum/demos/data/mnist``, CC BY-SA 3.0, see the
+README beside them), so the demo runs offline; ``data_dir`` points at another copy.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FILES", "MNIST_MEAN", "MNIST_STD", "default_data_dir", "load_mnist", "mnist_tensors",
+           "read_idx"]
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+# split -> ((images file, md5 of its gunzipped bytes), (labels file, md5))
+FILES = {
+    "train": (("train-images-idx3-ubyte.gz", "6bbc9ace898e44ae57da46a324031adb"),
+              ("train-labels-idx1-ubyte.gz", "a25bea736e30d166cdddb491f175f624")),
+    "test": (("t10k-images-idx3-ubyte.gz", "2646ac647ad5339dbf082846283269ea"),
+             ("t10k-labels-idx1-ubyte.gz", "27ae3e4e09519cfbb04c329615203637")),
+}
+
+
+def default_data_dir() -> Path:
+    """The copy shipped with the package."""
+    return Path(__file__).parent / "data" / "mnist"
+
+
+def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
+    """Read one gzipped IDX file into a uint8 array.
+
+    Args:
+        path: the ``.gz`` file.
+        md5: the expected md5 of the decompressed bytes, or ``None`` to skip the check.
+
+    Returns:
+        The array, shaped by the file's header (``[n, 28, 28]`` images, ``[n]`` labels).
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: the file is truncated, not gzip, fails its md5, or has a bad header; the
+            message names the file.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"MNIST file {path.name} not found in {path.parent} "
+                                "(use --data-dir to point at a copy)")
+    try:
+        raw = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error) as err:
+        raise ValueError(f"MNIST file {path} is truncated or not gzip: {err}") from err
+    if md5 is not None and hashlib.md5(raw).hexdigest() != md5:
+        raise ValueError(f"MNIST file {path} is corrupt: md5 {hashlib.md5(raw).hexdigest()} "
+                         f"!= expected {md5}")
+    if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
+        raise ValueError(f"MNIST file {path} has no IDX uint8 header")
+    ndim = raw[3]
+    dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"MNIST file {path} holds {data.size} bytes of data, header says {dims}")
+    return data.reshape(dims)
+
+
+def load_mnist(split: str = "train", data_dir: str | Path | None = None) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+    """Load one split as uint8 arrays.
+
+    Args:
+        split: ``"train"`` (60,000 images) or ``"test"`` (10,000).
+        data_dir: a folder holding the four ``.gz`` files; default: the shipped copy.
+
+    Returns:
+        ``(images [n, 28, 28], labels [n])``.
+
+    Raises:
+        ValueError: an unknown split, or a bad file (see :func:`read_idx`).
+        FileNotFoundError: a missing file.
+
+    Example:
+        >>> images, labels = load_mnist("test")
+        >>> images.shape, labels[:5].tolist()
+        ((10000, 28, 28), [7, 2, 1, 0, 4])
+    """
+    if split not in FILES:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    (img_name, img_md5), (lbl_name, lbl_md5) = FILES[split]
+    images = read_idx(folder / img_name, img_md5)
+    labels = read_idx(folder / lbl_name, lbl_md5)
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        raise ValueError(f"MNIST {split} files in {folder} disagree: images {images.shape}, "
+                         f"labels {labels.shape}")
+    return images, labels
+
+
+def mnist_tensors(split: str = "train", data_dir: str | Path | None = None,
+                  limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split as torch tensors, as the seed prepares it: /255, then (x - 0.1307) / 0.3081.
+
+    Returns:
+        ``(x float32 [n, 1, 28, 28], y int64 [n])``; the first ``limit`` items when given.
+    """
+    import torch
+
+    images, labels = load_mnist(split, data_dir)
+    if limit is not None:
+        images, labels = images[:limit], labels[:limit]
+    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
+    x = (x - MNIST_MEAN) / MNIST_STD
+    return x, torch.from_numpy(labels.astype(np.int64))

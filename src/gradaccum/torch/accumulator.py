@@ -1,0 +1,310 @@
+"""The PyTorch :class:`Accumulator`: N micro-batches, one exact optimizer update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.utils.hooks import RemovableHandle
+
+import torch
+from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
+from gradaccum.core.errors import check_nonneg_int
+from gradaccum.torch.grads import grads_of, scale_and_clip_
+from gradaccum.torch.precision import active_scaler, scaler_found_inf
+from gradaccum.torch.state import (
+    FORMAT_VERSION,
+    check_state,
+    param_signature,
+    restore_grads,
+    snapshot_grads,
+)
+from gradaccum.torch.sync import GradSync, make_sync
+from gradaccum.torch.validate import check_items, check_loss, check_parts
+
+__all__ = ["Accumulator", "MicroBatch"]
+
+BoundaryHook = Callable[["Accumulator"], None]
+
+
+class Accumulator:
+    """Accumulate the gradients of N micro-batches and apply them as one exact update.
+
+    Gradients add up in ``.grad`` (no extra buffer). At each window boundary, in this order:
+    unscale (``scaler``), normalize, clip the global L2 norm to ``clip_norm``, optimizer step
+    (through the scaler), scaler update, scheduler step, ``zero_grad(set_to_none=True)``.
+    Between boundaries the parameters are bitwise unchanged.
+
+    Normalization: without ``n_items`` the window's gradient is the mean of its micro-batch
+    gradients (a flushed window of r micro-batches is the mean over r); with ``n_items`` on every
+    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP.
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to step once per window.
+        steps: micro-batches per window: an int, or a schedule (a mapping ``{optimizer_step: N}``,
+            a callable, or a :class:`gradaccum.Schedule`) read when each window opens.
+        model: the model; a ``DistributedDataParallel`` module gets one gradient sync per window.
+        clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
+        scheduler: an LR scheduler, stepped once per optimizer step.
+        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or value (the message names it).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> acc = Accumulator(opt, steps=2)
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+        >>> [acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        ...  for xb, yb in zip(x.split(2), y.split(2))]
+        [False, True, False, True]
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        steps: Any,
+        *,
+        model: torch.nn.Module | None = None,
+        clip_norm: float | None = None,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        schedule = as_schedule(steps)
+        check_parts(optimizer, model, scheduler, scaler)
+        self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
+        self.optimizer = optimizer
+        self.model = model
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.schedule: Schedule = schedule
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._sync: GradSync = make_sync(model)
+        self._hooks: dict[int, BoundaryHook] = {}
+        self.optimizer_steps = 0
+        self.skipped_windows = 0
+        self.epoch = 0
+        self.window_loss: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._open_window()
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches fed to the current window (0 right after a boundary)."""
+        return self._window.micro_step
+
+    @property
+    def steps(self) -> int:
+        """Micro-batches that complete the current window (N)."""
+        return self._window.size
+
+    @property
+    def windows(self) -> int:
+        """Windows applied so far: optimizer steps plus windows skipped for non-finite grads."""
+        return self.optimizer_steps + self.skipped_windows
+
+    # ------------------------------------------------------------------ feeding
+    def backward(self, loss: torch.Tensor, n_items: Any = None) -> bool:
+        """Feed one micro-batch: backward its loss into the window's gradient.
+
+        Args:
+            loss: the micro-batch's mean loss (a criterion's default reduction), a scalar that
+                requires grad.
+            n_items: the micro-batch's number of items (samples, non-padding tokens): an int or
+                an integer 0-dim tensor, >= 1. Give it on every micro-batch of a window or on none.
+
+        Returns:
+            True when this call completed the window and the optimizer stepped.
+
+        Raises:
+            TypeError, ValueError: a bad ``loss`` or ``n_items``, or a window that would mix
+                weightings; raised before anything changes.
+        """
+        n = check_items(n_items)
+        self._window.weighting_for(n)
+        self._backward(loss, n)
+        return self._end_micro_batch(n)
+
+    @contextmanager
+    def micro_batch(self, n_items: Any = None) -> Iterator[MicroBatch]:
+        """Feed one micro-batch whose loss comes from several forward graphs (multi-task).
+
+        Call ``mb.backward(loss)`` right after each task's forward, so only one autograd graph is
+        alive at a time; the block counts as one micro-batch. On an exception inside the block,
+        call :meth:`discard` before going on: its gradients are partly accumulated.
+
+        Example:
+            >>> model = torch.nn.Linear(3, 2)
+            >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+            >>> x = torch.randn(4, 3)
+            >>> with acc.micro_batch() as mb:
+            ...     mb.backward(model(x)[:, 0].pow(2).mean())
+            ...     mb.backward(model(x)[:, 1].abs().mean())
+            >>> mb.stepped
+            True
+        """
+        n = check_items(n_items)
+        self._window.weighting_for(n)
+        mb = MicroBatch(self, n)
+        yield mb
+        mb.stepped = self._end_micro_batch(n)
+
+    def flush(self) -> bool:
+        """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
+
+        Returns:
+            True when the optimizer stepped; False when nothing was pending (or the window was
+            skipped for non-finite gradients).
+        """
+        if self._window.empty:
+            return False
+        self._sync.sync_partial(self._params)
+        return self._apply()
+
+    def discard(self) -> None:
+        """Drop the partial window: gradients set to None, counters back to the window's start."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_sum = None
+        self._open_window()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell an epoch schedule the epoch; an empty window takes the new N at once."""
+        self.epoch = check_nonneg_int("epoch", epoch)
+        if self._window.empty:
+            self._open_window()
+
+    def register_boundary_hook(self, hook: BoundaryHook) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    # ------------------------------------------------------------------ internals
+    def _schedule_count(self) -> int:
+        return self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
+
+    def _open_window(self) -> None:
+        self._window = Window(self.schedule(self._schedule_count()))
+        self._sync.prepare(self._window.next_is_last)
+
+    def _backward(self, loss: torch.Tensor, n: Any) -> None:
+        check_loss(loss)
+        factor = self._window.loss_factor(n)
+        scaled = loss if isinstance(factor, float) and factor == 1.0 else loss * factor
+        scaler = active_scaler(self.scaler)
+        (scaled if scaler is None else scaler.scale(scaled)).backward()
+        done = scaled.detach()
+        self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
+
+    def _end_micro_batch(self, n: Any) -> bool:
+        self._window = self._window.advance(n)
+        if self._window.complete:
+            return self._apply()
+        if self._window.next_is_last:
+            # DDP reads the flag in its forward, so it is set before the next micro-batch runs.
+            self._sync.prepare(True)
+        return False
+
+    def _apply(self) -> bool:
+        window = self._window
+        items = window.items if window.weighting == "items" else None
+        if isinstance(items, torch.Tensor):
+            items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
+        loss_sum, items = self._sync.reduce_window(self._loss_sum, items)
+        scaler = active_scaler(self.scaler)
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        factor = window.grad_factor(items)
+        self.grad_norm = scale_and_clip_(grads_of(self._params), factor, self.clip_norm)
+        stepped = self._step(scaler)
+        if stepped:
+            self.optimizer_steps += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.skipped_windows += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window_loss = None if loss_sum is None else loss_sum * factor
+        self._loss_sum = None
+        for hook in list(self._hooks.values()):
+            hook(self)
+        self._open_window()
+        return stepped
+
+    def _step(self, scaler: torch.amp.GradScaler | None) -> bool:
+        if scaler is None:
+            self.optimizer.step()
+            return True
+        found_inf = scaler_found_inf(scaler, self.optimizer)
+        scaler.step(self.optimizer)
+        scaler.update()
+        return not found_inf
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """All a bit-exact resume in the middle of a window needs.
+
+        Returns:
+            A dict of counters, the window (size, micro-step, weighting, item total), the loss
+            sum and copies of the partial gradients. Save it beside the model's and optimizer's.
+        """
+        items = self._window.items
+        return {
+            "version": FORMAT_VERSION,
+            "steps": self.schedule.describe(),
+            "window": {
+                "size": self._window.size,
+                "micro_step": self._window.micro_step,
+                "weighting": self._window.weighting,
+                "items": items.detach().clone() if isinstance(items, torch.Tensor) else items,
+            },
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_windows": self.skipped_windows,
+            "epoch": self.epoch,
+            "loss_sum": None if self._loss_sum is None else self._loss_sum.clone(),
+            "param_signature": param_signature(self._params),
+            "grads": snapshot_grads(self._params),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict`, partial gradients included.
+
+        Raises:
+            TypeError, ValueError: the state is not one, or comes from an accumulator with another
+                ``steps`` or other parameters; nothing is changed then.
+        """
+        check_state(state, self.schedule.describe(), self._params)
+        w = state["window"]
+        window = Window(w["size"], w["micro_step"], w["weighting"], w["items"])
+        restore_grads(self._params, state["grads"])
+        self.optimizer_steps = state["optimizer_steps"]
+        self.skipped_windows = state["skipped_windows"]
+        self.epoch = state["epoch"]
+        self._loss_sum = state["loss_sum"]
+        self._window = window
+        self._sync.prepare(window.next_is_last)
+
+    def __repr__(self) -> str:
+        return (f"Accumulator(steps={self.schedule.describe()!r}, micro_step={self.micro_step}, "
+                f"optimizer_steps={self.optimizer_steps})")
+
+
+class MicroBatch:
+    """One micro-batch fed by several backward calls; see :meth:`Accumulator.micro_batch`."""
+
+    def __init__(self, acc: Accumulator, n_items: Any) -> None:
+        self._acc = acc
+        self._n = n_items
+        self.stepped = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one task's loss (a mean over this micro-batch's items) right away."""
+        self._acc._backward(loss, self._n)

@@ -1,0 +1,83 @@
+"""In-place passes over gradients: collect, scale, clip. Each is at most one foreach pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch.nn.utils import get_total_norm
+
+import torch
+
+__all__ = ["grads_of", "scale_and_clip_", "scale_grads_"]
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The ``.grad`` of every parameter that has one, in parameter order."""
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _is_one(factor: Any) -> bool:
+    return isinstance(factor, (int, float)) and factor == 1
+
+
+def scale_grads_(grads: Sequence[torch.Tensor], factor: Any) -> None:
+    """Multiply every gradient by ``factor`` (a number or a 0-dim tensor) in one foreach pass.
+
+    A factor of exactly 1 costs nothing: full windows under mean weighting never pay a pass.
+
+    Example:
+        >>> g = [torch.ones(2)]
+        >>> scale_grads_(g, 0.5)
+        >>> g[0]
+        tensor([0.5000, 0.5000])
+    """
+    if not grads or _is_one(factor):
+        return
+    if not isinstance(factor, torch.Tensor):
+        torch._foreach_mul_(list(grads), float(factor))
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
+def scale_and_clip_(
+    grads: Sequence[torch.Tensor], factor: Any, max_norm: float | None
+) -> torch.Tensor | None:
+    """Scale gradients by ``factor`` and clip their global L2 norm to ``max_norm``, in one pass.
+
+    Equivalent to ``scale_grads_(grads, factor)`` followed by
+    ``torch.nn.utils.clip_grad_norm_(grads, max_norm)``, but the two multiplications are fused:
+    the norm of the scaled gradients is ``factor`` times the norm of the raw ones.
+
+    Args:
+        grads: the gradients, changed in place.
+        factor: the normalization factor (a number or a 0-dim tensor).
+        max_norm: the clipping threshold, or ``None`` for no clipping.
+
+    Returns:
+        The global L2 norm of the scaled gradients before clipping (a 0-dim tensor), or ``None``
+        when ``max_norm`` is ``None``.
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> float(scale_and_clip_(g, 2.0, 1.0))
+        10.0
+        >>> round(float(g[0].norm()), 4)
+        1.0
+    """
+    if max_norm is None:
+        scale_grads_(grads, factor)
+        return None
+    if not grads:
+        return torch.zeros(())
+    norm = get_total_norm(grads, foreach=True)
+    if not _is_one(factor):
+        norm = norm * factor
+    # Same coefficient as torch.nn.utils.clip_grad_norm_, so both clip identically.
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scale_grads_(grads, coef if _is_one(factor) else coef * factor)
+    return norm

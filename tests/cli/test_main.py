@@ -1,0 +1,21 @@
+import subprocess
+import sys
+
+from gradaccum.cli import main
+
+
+def test_python_dash_m_runs_the_same_command_line():
+    out = subprocess.run([sys.executable, "-m", "gradaccum", "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "usage: gradaccum" in out.stdout
+
+
+def test_info_prints_versions(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "torch_threads" in out
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out

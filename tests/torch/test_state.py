@@ -1,0 +1,109 @@
+"""Checkpoints: a resume in the middle of a window is bit-exact."""
+
+import io
+
+import pytest
+
+import gradaccum
+import torch
+from reference import data, mlp
+from torch import nn
+
+MICRO = 4
+
+
+def build(model, steps=4, n_items=False):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+    return opt, sched, gradaccum.Accumulator(opt, steps, scheduler=sched)
+
+
+def feed(model, acc, x, y, n_items):
+    for xb, yb in zip(x.split(MICRO), y.split(MICRO), strict=True):
+        acc.backward(nn.functional.cross_entropy(model(xb), yb), n_items=len(xb) if n_items else None)
+
+
+@pytest.mark.parametrize("n_items", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_resume_mid_window_is_bit_exact(n_items, dtype):
+    x, y = data(11 * MICRO, dtype)
+    cut = 6 * MICRO  # 1 full window + 2 of 4 micro-batches
+    straight = mlp(dtype)
+    _, _, acc = build(straight)
+    feed(straight, acc, x, y, n_items)
+
+    first = mlp(dtype)
+    opt, sched, acc1 = build(first)
+    feed(first, acc1, x[:cut], y[:cut], n_items)
+    assert acc1.micro_step == 2
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                "acc": acc1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+
+    resumed = mlp(dtype, seed=123)  # different weights: everything must come from the checkpoint
+    opt2, sched2, acc2 = build(resumed)
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    acc2.load_state_dict(saved["acc"])
+    assert (acc2.micro_step, acc2.optimizer_steps) == (2, 1)
+    feed(resumed, acc2, x[cut:], y[cut:], n_items)
+    assert acc2.optimizer_steps == acc.optimizer_steps == 2
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_resume_without_the_partial_gradients_is_not_exact():
+    # The negative twin: dropping the saved .grad (what a plain checkpoint does) changes the result.
+    x, y = data(8 * MICRO)
+    straight = mlp()
+    _, _, acc = build(straight)
+    feed(straight, acc, x, y, False)
+    first = mlp()
+    _, _, acc1 = build(first)
+    feed(first, acc1, x[:6 * MICRO], y[:6 * MICRO], False)
+    state = acc1.state_dict()
+    state["grads"] = [None for _ in state["grads"]]
+    first.zero_grad(set_to_none=True)
+    acc1.load_state_dict(state)
+    feed(first, acc1, x[6 * MICRO:], y[6 * MICRO:], False)
+    assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), first.parameters(), strict=True))
+
+
+def test_state_dict_is_a_snapshot():
+    model = mlp()
+    _, _, acc = build(model)
+    x, y = data(2 * MICRO)
+    feed(model, acc, x[:MICRO], y[:MICRO], False)
+    state = acc.state_dict()
+    saved = [g.clone() for g in state["grads"]]
+    feed(model, acc, x[MICRO:], y[MICRO:], False)  # adds into the live .grad
+    assert all(torch.equal(a, b) for a, b in zip(state["grads"], saved, strict=True))
+
+
+def test_load_state_from_other_steps_is_refused_and_changes_nothing():
+    model = mlp()
+    _, _, acc = build(model, steps=4)
+    x, y = data(MICRO)
+    feed(model, acc, x, y, False)
+    other_model = mlp()
+    _, _, other = build(other_model, steps=2)
+    grads_before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="steps=2"):
+        acc.load_state_dict(other.state_dict())
+    assert acc.micro_step == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_before, strict=True))
+
+
+def test_load_state_from_other_parameters_is_refused():
+    model = mlp()
+    _, _, acc = build(model)
+    small = nn.Linear(2, 2)
+    _, _, other = build(small)
+    with pytest.raises(ValueError, match="other parameters"):
+        acc.load_state_dict(other.state_dict())
+    with pytest.raises(TypeError, match="state"):
+        acc.load_state_dict({"foo": 1})
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
