@@ -73,7 +73,9 @@ def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
     return data.reshape(dims)
 
 
-def load_mnist(split: str = "train", data_dir: str | Path | None = None) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+def load_mnist(
+    split: str = "train", data_dir: str | Path | None = None
+) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
     """Load one split as uint8 arrays.
 
     Args:
