@@ -18,6 +18,8 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("gradaccum.cli.train", "run the seed experiment (MNIST) through the Accumulator"),
     "compare": ("gradaccum.cli.compare", "run the seed experiment at several micro x steps settings"),
+    "bench": ("gradaccum.cli.bench",
+              "benchmark against a hand-written loop, Accelerate and the seed's accumulator"),
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
 }
 

@@ -9,6 +9,18 @@ import platform
 __all__ = ["add_parser", "describe_machine"]
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe_machine() -> dict[str, str]:
     """Machine, versions, threads and malloc settings, for benchmark headers.
 
@@ -25,7 +37,7 @@ def describe_machine() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
         "cpu_count": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",

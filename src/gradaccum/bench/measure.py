@@ -1,0 +1,166 @@
+"""How the benchmark measures: allocator peaks, the memory floor, and interleaved timings.
+
+Allocator peak on CPU: the PyTorch profiler with ``profile_memory=True`` records one
+``[memory]`` event per allocation (positive bytes) and per free (negative bytes), in order. Their
+running sum is the number of bytes the allocator holds for tensors, relative to the start of
+the profile; its maximum is the peak. On CUDA, ``torch.cuda.max_memory_allocated`` gives the
+same quantity directly. Both count tensor memory only (not the Python heap or library code).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["Memory", "Timings", "allocator_memory", "floor_bytes", "interleaved", "minor_faults",
+           "tensor_bytes"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Tensor memory used while a function ran, relative to when it started (bytes).
+
+    Attributes:
+        peak: the most held at any moment.
+        end: still held when it returned (what it keeps resident).
+    """
+
+    peak: int
+    end: int
+
+
+def _profiled(fn: Callable[[], T]) -> tuple[T, Memory]:
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()  # held until after the profile: what fn keeps is not freed inside it
+    results: Any = prof.profiler.kineto_results if prof.profiler is not None else None
+    events = [e for e in results.events() if e.name() == "[memory]"
+              and e.device_type() == DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())  # stable: events of the same instant keep their order
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return result, Memory(peak, held)
+
+
+def allocator_memory(fn: Callable[[], T], device: torch.device) -> tuple[T, Memory]:
+    """Run ``fn`` and measure the tensor memory it allocates on ``device``.
+
+    Args:
+        fn: builds and runs what is measured; return what must stay alive (a model, an optimizer)
+            so that ``Memory.end`` counts it.
+        device: ``cpu`` (profiler memory events) or a CUDA device (allocator statistics).
+
+    Returns:
+        ``fn``'s result and the :class:`Memory` it used.
+
+    Example:
+        >>> _, mem = allocator_memory(lambda: torch.zeros(1024), torch.device("cpu"))
+        >>> mem.end >= 4096
+        True
+    """
+    if device.type != "cuda":
+        return _profiled(fn)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, Memory(torch.cuda.max_memory_allocated(device) - base,
+                          torch.cuda.memory_allocated(device) - base)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of every tensor in a (nested) list, tuple or dict."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, dict):
+        return sum(tensor_bytes(v) for v in tensors.values())
+    if isinstance(tensors, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tensors)
+    return 0
+
+
+def floor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters + one gradient per trainable parameter + the optimizer's state, in bytes.
+
+    The least any training step must hold, whatever the batch; call it after one step, when
+    the optimizer's state exists.
+    """
+    params = list(model.parameters())
+    grads = sum(tensor_bytes(p) for p in params if p.requires_grad)
+    return tensor_bytes(params) + grads + tensor_bytes(list(optimizer.state.values()))
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (each is a page the OS had to map in)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per call of each contender, one value per round (rounds interleave contenders)."""
+
+    samples: dict[str, list[float]]
+
+    def median(self, name: str) -> float:
+        """The median seconds of one contender."""
+        return statistics.median(self.samples[name])
+
+    def ratio(self, name: str, base: str) -> float:
+        """``median(name) / median(base)``."""
+        return self.median(name) / self.median(base)
+
+    def paired_quartiles(self, name: str, base: str) -> tuple[float, float]:
+        """The lower and upper quartile of the per-round ratios ``name / base``."""
+        ratios = [a / b for a, b in zip(self.samples[name], self.samples[base], strict=True)]
+        if len(ratios) < 2:
+            return ratios[0], ratios[0]
+        q = statistics.quantiles(ratios, n=4, method="inclusive")
+        return q[0], q[2]
+
+
+def interleaved(fns: dict[str, Callable[[], None]], repeats: int, calls: int,
+                sync: Callable[[], None] = lambda: None) -> Timings:
+    """Time contenders in rounds: each round runs every contender ``calls`` times, in turn.
+
+    The order rotates from round to round (A B C, B C A, C A B...), so that no contender always
+    runs first or after the same neighbour. One untimed warm-up round comes first.
+
+    Args:
+        fns: name -> the function to time.
+        repeats: timed rounds.
+        calls: calls per contender per round; the sample is their mean.
+        sync: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+
+    Returns:
+        :class:`Timings`, seconds per call.
+
+    Example:
+        >>> t = interleaved({"a": lambda: None, "b": lambda: None}, repeats=3, calls=2)
+        >>> len(t.samples["a"])
+        3
+    """
+    names: Sequence[str] = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(-1, repeats):
+        shift = max(round_, 0) % len(names)
+        for name in [*names[shift:], *names[:shift]]:
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fns[name]()
+            sync()
+            if round_ >= 0:
+                samples[name].append((time.perf_counter() - start) / calls)
+    return Timings(samples)

@@ -1,0 +1,100 @@
+"""Sections a and c (time): gradaccum and Accelerate against the hand-written loop, same work."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gradaccum.bench.config import Sizes, micro_batches
+from gradaccum.bench.loops import Batches, Loop, accelerate_available, build_loop
+from gradaccum.bench.measure import Memory, Timings, allocator_memory, interleaved
+
+__all__ = ["BASELINE", "OverheadResult", "contenders", "run_overhead"]
+
+BASELINE = "hand-written"
+
+
+@dataclass
+class OverheadResult:
+    """One task: a model at a micro-batch, N micro-batches per window.
+
+    Attributes:
+        model, micro_batch, steps: the task.
+        calls: windows per timed sample.
+        timings: seconds per optimizer step, per contender and round.
+        memory: the allocator memory of building each contender and running two windows.
+    """
+
+    model: str
+    micro_batch: int
+    steps: int
+    calls: int
+    timings: Timings
+    memory: dict[str, Memory]
+
+
+def contenders() -> list[str]:
+    """The loops compared: the hand-written one first, Accelerate when it is installed."""
+    names = [BASELINE, "gradaccum"]
+    return [*names, "accelerate"] if accelerate_available() else names
+
+
+def _two_windows(name: str, model: str, steps: int, device: torch.device,
+                 windows: Sequence[Batches]) -> Loop:
+    loop = build_loop(name, model, steps, device)
+    for batches in windows:  # the second window runs with the optimizer's state allocated
+        loop.window(batches)
+    return loop
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -> OverheadResult:
+    """Measure one task: allocator memory of each contender, then interleaved timings.
+
+    Example:
+        >>> from gradaccum.bench.config import SMOKE
+        >>> r = run_task("mlp", 4, SMOKE, torch.device("cpu"))  # doctest: +SKIP
+    """
+    steps, names = sizes.steps, contenders()
+    batches = micro_batches(model, micro_batch, 2 * steps, device)
+    windows = [batches[:steps], batches[steps:]]
+    memory = {name: allocator_memory(lambda name=name: _two_windows(  # type: ignore[misc]
+        name, model, steps, device, windows), device)[1] for name in names}
+    loops = {name: build_loop(name, model, steps, device) for name in names}
+    sync = _sync(device)
+
+    def timed(loop: Loop) -> Callable[[], None]:
+        order = itertools.cycle(windows)
+        return lambda: loop.window(next(order))
+
+    fns = {name: timed(loop) for name, loop in loops.items()}
+    for fn in fns.values():
+        fn()  # first window: optimizer state, allocator and thread-pool warm-up
+    calls = 1
+    if sizes.sample_seconds > 0:
+        once = interleaved({BASELINE: fns[BASELINE]}, repeats=1, calls=1, sync=sync)
+        calls = max(1, round(sizes.sample_seconds / once.median(BASELINE)))
+    timings = interleaved(fns, sizes.repeats, calls, sync)
+    return OverheadResult(model, micro_batch, steps, calls, timings, memory)
+
+
+def run_overhead(sizes: Sizes, device: torch.device,
+                 log: Callable[[str], None] = print) -> list[OverheadResult]:
+    """Section a (and c's timings): every task of ``sizes.overhead``."""
+    results = []
+    for model, micro_batch in sizes.overhead:
+        log(f"  overhead: {model}, micro-batch {micro_batch} x {sizes.steps}")
+        result = run_task(model, micro_batch, sizes, device)
+        for name in contenders()[1:]:
+            log(f"    {name}: ratio {result.timings.ratio(name, BASELINE):.3f}, peak difference "
+                f"{result.memory[name].peak - result.memory[BASELINE].peak:+d} B")
+        results.append(result)
+    return results

@@ -1,0 +1,66 @@
+"""Section d: the seed's accumulator (two parameter-sized buffers) against gradaccum (none)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradaccum.bench.config import Sizes, micro_batches
+from gradaccum.bench.loops import Loop, build_loop
+from gradaccum.bench.measure import Memory, allocator_memory, tensor_bytes
+
+__all__ = ["ResidentRow", "run_resident"]
+
+
+@dataclass(frozen=True)
+class ResidentRow:
+    """One model: its parameter bytes and each loop's memory over two windows.
+
+    ``computed`` is what the seed's two buffers must take: twice the trainable parameters' bytes.
+    """
+
+    model: str
+    micro_batch: int
+    steps: int
+    param_bytes: int
+    seed: Memory
+    gradaccum: Memory
+
+    @property
+    def computed(self) -> int:
+        """The seed's extra resident bytes on paper: ``inner_grads`` and ``zeros``."""
+        return 2 * self.param_bytes
+
+    @property
+    def resident_extra(self) -> int:
+        """Measured: bytes the seed keeps after a window, minus gradaccum's."""
+        return self.seed.end - self.gradaccum.end
+
+    @property
+    def peak_extra(self) -> int:
+        """Measured: the seed's allocator peak minus gradaccum's."""
+        return self.seed.peak - self.gradaccum.peak
+
+
+def _measure(name: str, model: str, steps: int, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             device: torch.device) -> tuple[Loop, Memory]:
+    def two_windows() -> Loop:
+        loop = build_loop(name, model, steps, device)
+        loop.window(batches)
+        loop.window(batches)
+        return loop
+
+    return allocator_memory(two_windows, device)
+
+
+def run_resident(sizes: Sizes, device: torch.device) -> list[ResidentRow]:
+    """Measure both loops on each model of ``sizes.seed_models``, N = ``sizes.steps``."""
+    rows = []
+    for model in sizes.seed_models:
+        batches = micro_batches(model, sizes.seed_micro_batch, sizes.steps, device)
+        loop, seed = _measure("seed", model, sizes.steps, batches, device)
+        _, ours = _measure("gradaccum", model, sizes.steps, batches, device)
+        params = tensor_bytes([p for p in loop.model.parameters() if p.requires_grad])
+        rows.append(ResidentRow(model, sizes.seed_micro_batch, sizes.steps, params, seed, ours))
+    return rows

@@ -1,0 +1,76 @@
+"""Run every section of the benchmark and write the report and its figures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gradaccum.bench.config import FULL, SMOKE
+from gradaccum.bench.exactness import run_exactness
+from gradaccum.bench.overhead import run_overhead
+from gradaccum.bench.plots import plot_exactness, plot_memory, plot_overhead
+from gradaccum.bench.report import TIME_TARGET, Results, write_report
+from gradaccum.bench.resident import run_resident
+from gradaccum.bench.sweep import run_sweep
+from gradaccum.cli.info import describe_machine
+
+__all__ = ["FIGURES", "REPORT", "run_bench"]
+
+REPORT = "BENCHMARKS.md"
+FIGURES = {"overhead": "bench_overhead.png", "memory": "bench_memory.png",
+           "exactness": "bench_exactness.png"}
+
+
+def run_bench(out: Path, *, smoke: bool = False, device: str = "cpu", threads: int | None = None,
+              malloc_compare: bool = True, command: str = "gradaccum bench",
+              log: Callable[[str], None] = print) -> Path:
+    """Measure overhead, memory, exactness and the seed's buffers; write the report into ``out``.
+
+    Args:
+        out: the folder for ``BENCHMARKS.md`` and its PNG figures.
+        smoke: tiny sizes (seconds) that only prove every path runs.
+        device: where the timed and measured training runs (exactness always runs on CPU).
+        threads: ``torch.set_num_threads`` first (default: leave torch's choice).
+        malloc_compare: also time the memory sweep with tuned glibc malloc settings (CPU).
+        command: the command line the report says generated it.
+        log: progress lines.
+
+    Returns:
+        The report's path.
+
+    Example:
+        >>> run_bench(Path("/tmp/bench"), smoke=True)  # doctest: +SKIP
+        PosixPath('/tmp/bench/BENCHMARKS.md')
+    """
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(out, smoke, torch.device(device), malloc_compare, command, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(out: Path, smoke: bool, dev: torch.device, malloc_compare: bool, command: str,
+         log: Callable[[str], None]) -> Path:
+    sizes = SMOKE if smoke else FULL
+    machine = {**describe_machine(), "device": str(dev)}
+    start = time.perf_counter()
+    log("gradaccum bench: overhead against the hand-written loop")
+    overhead = run_overhead(sizes, dev, log)
+    log("gradaccum bench: memory against micro-batch")
+    sweep = run_sweep(sizes, dev, malloc_compare)
+    log("gradaccum bench: exactness")
+    exactness = run_exactness()
+    log("gradaccum bench: the seed's accumulator")
+    resident = run_resident(sizes, dev)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_overhead(overhead, out / FIGURES["overhead"], TIME_TARGET)
+    plot_memory(sweep, out / FIGURES["memory"])
+    plot_exactness(exactness, out / FIGURES["exactness"])
+    results = Results(machine, command, time.perf_counter() - start, smoke, overhead, sweep,
+                      exactness, resident, FIGURES)
+    return write_report(results, out / REPORT)
