@@ -24,7 +24,8 @@ class Sizes:
         sweep_model: the model of the memory sweep.
         global_batch: the window of the memory sweep (items per optimizer step).
         sweep: the micro-batches of the memory sweep, largest first.
-        sweep_repeats: timed windows per micro-batch in the memory sweep (after one warm-up).
+        sweep_repeats: timed windows per micro-batch and malloc setting in the memory sweep
+            (after one warm-up window).
         seed_models: the models of the seed-accumulator comparison.
         seed_micro_batch: its micro-batch.
     """

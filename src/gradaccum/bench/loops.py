@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradaccum.bench.measure import Memory, allocator_memory
 from gradaccum.bench.seed import SeedAccumulator
 from gradaccum.demos.models import build_model
 from gradaccum.torch import Accumulator
 
-__all__ = ["LOOPS", "Batches", "Loop", "accelerate_available", "build_loop"]
+__all__ = ["LOOPS", "Batches", "Loop", "accelerate_available", "build_loop", "window_memory"]
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -136,3 +137,25 @@ def build_loop(name: str, model_name: str, steps: int, device: torch.device, see
         factory = {"hand-written": _hand_written, "gradaccum": _gradaccum, "seed": _seed}[name]
         window = factory(model, opt, steps)
     return Loop(name, window, model, opt)
+
+
+def window_memory(name: str, model_name: str, batches: Batches, device: torch.device) -> tuple[Loop, Memory]:
+    """The allocator memory of building a contender and training one window of ``batches``.
+
+    Inside the measurement, a window of one-item micro-batches runs first: it allocates the
+    optimizer's state for little time, so the measured window holds everything a training step
+    holds (parameters, gradients, optimizer state, activations).
+
+    Returns:
+        The contender (alive: ``Memory.end`` counts what it keeps) and its :class:`Memory`.
+    """
+    steps = len(batches)
+
+    def build_and_train() -> Loop:
+        loop = build_loop(name, model_name, steps, device)
+        x, y = batches[0]
+        loop.window([(x[:1], y[:1])] * steps)
+        loop.window(batches)
+        return loop
+
+    return allocator_memory(build_and_train, device)

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Memory", "Timings", "allocator_memory", "floor_bytes", "interleaved", "minor_faults",
-           "tensor_bytes"]
+__all__ = ["Memory", "Timings", "allocator_memory", "device_sync", "floor_bytes", "interleaved",
+           "minor_faults", "tensor_bytes"]
 
 T = TypeVar("T")
 
@@ -78,6 +78,13 @@ def allocator_memory(fn: Callable[[], T], device: torch.device) -> tuple[T, Memo
     torch.cuda.synchronize(device)
     return result, Memory(torch.cuda.max_memory_allocated(device) - base,
                           torch.cuda.memory_allocated(device) - base)
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def tensor_bytes(tensors: Any) -> int:

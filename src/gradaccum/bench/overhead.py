@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from gradaccum.bench.config import Sizes, micro_batches
-from gradaccum.bench.loops import Batches, Loop, accelerate_available, build_loop
-from gradaccum.bench.measure import Memory, Timings, allocator_memory, interleaved
+from gradaccum.bench.loops import Loop, accelerate_available, build_loop, window_memory
+from gradaccum.bench.measure import Memory, Timings, device_sync, interleaved
 
 __all__ = ["BASELINE", "OverheadResult", "contenders", "run_overhead"]
 
@@ -25,7 +25,7 @@ class OverheadResult:
         model, micro_batch, steps: the task.
         calls: windows per timed sample.
         timings: seconds per optimizer step, per contender and round.
-        memory: the allocator memory of building each contender and running two windows.
+        memory: the allocator memory of building each contender and training one window.
     """
 
     model: str
@@ -42,20 +42,6 @@ def contenders() -> list[str]:
     return [*names, "accelerate"] if accelerate_available() else names
 
 
-def _two_windows(name: str, model: str, steps: int, device: torch.device,
-                 windows: Sequence[Batches]) -> Loop:
-    loop = build_loop(name, model, steps, device)
-    for batches in windows:  # the second window runs with the optimizer's state allocated
-        loop.window(batches)
-    return loop
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -> OverheadResult:
     """Measure one task: allocator memory of each contender, then interleaved timings.
 
@@ -66,10 +52,9 @@ def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -
     steps, names = sizes.steps, contenders()
     batches = micro_batches(model, micro_batch, 2 * steps, device)
     windows = [batches[:steps], batches[steps:]]
-    memory = {name: allocator_memory(lambda name=name: _two_windows(  # type: ignore[misc]
-        name, model, steps, device, windows), device)[1] for name in names}
+    memory = {name: window_memory(name, model, windows[0], device)[1] for name in names}
     loops = {name: build_loop(name, model, steps, device) for name in names}
-    sync = _sync(device)
+    sync = device_sync(device)
 
     def timed(loop: Loop) -> Callable[[], None]:
         order = itertools.cycle(windows)
@@ -79,9 +64,9 @@ def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -
     for fn in fns.values():
         fn()  # first window: optimizer state, allocator and thread-pool warm-up
     calls = 1
-    if sizes.sample_seconds > 0:
-        once = interleaved({BASELINE: fns[BASELINE]}, repeats=1, calls=1, sync=sync)
-        calls = max(1, round(sizes.sample_seconds / once.median(BASELINE)))
+    if sizes.sample_seconds > 0:  # as many windows per sample as fill sample_seconds
+        probe = interleaved({BASELINE: fns[BASELINE]}, repeats=3, calls=1, sync=sync)
+        calls = max(1, round(sizes.sample_seconds / probe.median(BASELINE)))
     timings = interleaved(fns, sizes.repeats, calls, sync)
     return OverheadResult(model, micro_batch, steps, calls, timings, memory)
 

@@ -66,7 +66,7 @@ def _overhead(res: Results) -> list[str]:
         memory_rows.append(memory_row)
     return ["## Overhead: the same training, by hand, with gradaccum and with Accelerate", "",
             "Time per optimizer step:", "", *_table(time_header, time_rows), "", _stated(res.machine),
-            "", "Allocator peak (building the model, then two windows):", "",
+            "", "Allocator peak (building the model and training one window):", "",
             *_table(memory_header, memory_rows), "", _stated(res.machine), "", *_verdict(res), "",
             f"![overhead]({res.figures['overhead']})", "", *OVERHEAD_NOTES, ""]
 
@@ -108,10 +108,12 @@ def _sweep(res: Results) -> list[str]:
     return [f"## Memory against micro-batch: {first.model}, global batch "
             f"{first.micro_batch * first.steps}", "",
             "gradaccum at each micro-batch, the same items per optimizer step (AdamW). Allocator "
-            "peak: the most tensor memory held at once while building the model and training two "
-            "windows. Floor: parameters + gradients + optimizer state, the least any step holds.",
+            "peak: the most tensor memory held at once while building the model and training one "
+            "window (after a window of one-item micro-batches, which allocates the optimizer's "
+            "state). Floor: parameters + gradients + optimizer state, the least any step holds.",
             "", *_table(header, rows), "", _stated(res.machine),
-            *([f"*Tuned malloc: a child process with {settings}.*"] if tuned else []), "",
+            *([f"*Tuned malloc: a child process started with {settings}; its windows alternate with "
+              "this process's, one by one.*"] if tuned else []), "",
             f"![memory]({res.figures['memory']})", "", *MALLOC_NOTE, ""]
 
 

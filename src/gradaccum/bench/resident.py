@@ -7,15 +7,15 @@ from dataclasses import dataclass
 import torch
 
 from gradaccum.bench.config import Sizes, micro_batches
-from gradaccum.bench.loops import Loop, build_loop
-from gradaccum.bench.measure import Memory, allocator_memory, tensor_bytes
+from gradaccum.bench.loops import window_memory
+from gradaccum.bench.measure import Memory, tensor_bytes
 
 __all__ = ["ResidentRow", "run_resident"]
 
 
 @dataclass(frozen=True)
 class ResidentRow:
-    """One model: its parameter bytes and each loop's memory over two windows.
+    """One model: its parameter bytes and each loop's memory (:func:`~gradaccum.bench.loops.window_memory`).
 
     ``computed`` is what the seed's two buffers must take: twice the trainable parameters' bytes.
     """
@@ -43,24 +43,13 @@ class ResidentRow:
         return self.seed.peak - self.gradaccum.peak
 
 
-def _measure(name: str, model: str, steps: int, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             device: torch.device) -> tuple[Loop, Memory]:
-    def two_windows() -> Loop:
-        loop = build_loop(name, model, steps, device)
-        loop.window(batches)
-        loop.window(batches)
-        return loop
-
-    return allocator_memory(two_windows, device)
-
-
 def run_resident(sizes: Sizes, device: torch.device) -> list[ResidentRow]:
     """Measure both loops on each model of ``sizes.seed_models``, N = ``sizes.steps``."""
     rows = []
     for model in sizes.seed_models:
         batches = micro_batches(model, sizes.seed_micro_batch, sizes.steps, device)
-        loop, seed = _measure("seed", model, sizes.steps, batches, device)
-        _, ours = _measure("gradaccum", model, sizes.steps, batches, device)
+        loop, seed = window_memory("seed", model, batches, device)
+        _, ours = window_memory("gradaccum", model, batches, device)
         params = tensor_bytes([p for p in loop.model.parameters() if p.requires_grad])
         rows.append(ResidentRow(model, sizes.seed_micro_batch, sizes.steps, params, seed, ours))
     return rows

@@ -1,11 +1,13 @@
 """Section b: memory and time against the micro-batch, one global batch (the benchmark CNN).
 
-The time of a window is measured twice: in this process (malloc as launched) and in a child
-process started with glibc's ``MALLOC_MMAP_MAX_=0`` and a large ``MALLOC_TRIM_THRESHOLD_``.
-glibc serves large blocks with ``mmap`` and gives freed memory back to the OS; a large
-micro-batch's activations then come back as fresh pages on every micro-batch, and the page
-faults can cost more than the arithmetic. The variables must be set before the process starts,
-hence the child. Run as ``python -m gradaccum.bench.sweep`` it prints the timings as JSON.
+The time of a window is measured under two malloc settings, interleaved window by window: in
+this process (malloc as launched) and in a child process started with glibc's
+``MALLOC_MMAP_MAX_=0`` and a large ``MALLOC_TRIM_THRESHOLD_``. glibc serves large blocks with
+``mmap`` and gives freed memory back to the OS; a large micro-batch's activations then come back
+as fresh pages on every micro-batch, and the page faults can cost more than the arithmetic. The
+variables must be set before a process starts, hence the child, which ``python -m
+gradaccum.bench.sweep`` runs: it reads micro-batch sizes on stdin and answers each with the
+time and page faults of one window.
 """
 
 from __future__ import annotations
@@ -18,24 +20,25 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from gradaccum.bench.config import Sizes, micro_batches
-from gradaccum.bench.loops import build_loop
-from gradaccum.bench.measure import allocator_memory, floor_bytes, minor_faults
+from gradaccum.bench.loops import Loop, build_loop, window_memory
+from gradaccum.bench.measure import device_sync, floor_bytes, minor_faults
 
-__all__ = ["TUNED_MALLOC", "SweepRow", "WindowTime", "run_sweep", "time_windows"]
+__all__ = ["TUNED_MALLOC", "SweepRow", "WindowTime", "run_sweep"]
 
 # Keep freed memory in the heap: no mmap for large blocks, no trimming back to the OS.
 TUNED_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647"}
+ANSWER = "window: "  # marks the child's answers among anything else it prints
 
 
 @dataclass(frozen=True)
 class WindowTime:
-    """Median seconds per window and mean minor page faults per window at one micro-batch."""
+    """Median seconds per window and mean minor page faults per window."""
 
-    micro_batch: int
     seconds: float
     faults: float
 
@@ -53,92 +56,112 @@ class SweepRow:
     tuned: WindowTime | None
 
 
-def _batches(sizes: Sizes, micro: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Same items for every micro-batch: the global batch, split differently.
-    return micro_batches(sizes.sweep_model, micro, sizes.global_batch // micro, device)
+class _Timer(Protocol):
+    def window(self, micro: int) -> tuple[float, int]: ...
 
 
-def time_windows(sizes: Sizes, device: torch.device) -> list[WindowTime]:
-    """Time gradaccum's window at each micro-batch of the sweep (after one warm-up window)."""
-    rows = []
-    for micro in sizes.sweep:
-        batches = _batches(sizes, micro, device)
-        loop = build_loop("gradaccum", sizes.sweep_model, len(batches), device)
+class _LocalTimer:
+    """Times one gradaccum window at a micro-batch, in this process (one model per micro-batch)."""
+
+    def __init__(self, model: str, global_batch: int, device: torch.device) -> None:
+        self.model, self.global_batch, self.device = model, global_batch, device
+        self._current: tuple[int, Loop, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def window(self, micro: int) -> tuple[float, int]:
+        if self._current is None or self._current[0] != micro:
+            self._current = None  # free the previous model and batches before building the next
+            batches = micro_batches(self.model, micro, self.global_batch // micro, self.device)
+            self._current = (micro, build_loop("gradaccum", self.model, len(batches), self.device),
+                             batches)
+        _, loop, batches = self._current
+        sync = device_sync(self.device)
+        sync()
+        f0, t0 = minor_faults(), time.perf_counter()
         loop.window(batches)
-        seconds, faults = [], []
-        for _ in range(sizes.sweep_repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            f0, t0 = minor_faults(), time.perf_counter()
-            loop.window(batches)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - t0)
-            faults.append(minor_faults() - f0)
-        rows.append(WindowTime(micro, statistics.median(seconds), statistics.fmean(faults)))
-        del loop, batches
-    return rows
+        sync()
+        return time.perf_counter() - t0, minor_faults() - f0
 
 
-def _time_in_child(sizes: Sizes, device: torch.device) -> list[WindowTime]:
-    argv = [sys.executable, "-m", "gradaccum.bench.sweep", "--model", sizes.sweep_model,
-            "--global-batch", str(sizes.global_batch),
-            "--sweep", ",".join(map(str, sizes.sweep)), "--repeats", str(sizes.sweep_repeats),
-            "--device", str(device), "--threads", str(torch.get_num_threads())]
-    env = {**os.environ, **TUNED_MALLOC}
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-    return [WindowTime(**row) for row in json.loads(out.strip().splitlines()[-1])]
+class _ChildTimer:
+    """A :class:`_LocalTimer` in a child process started with :data:`TUNED_MALLOC`."""
+
+    def __init__(self, model: str, global_batch: int, device: torch.device) -> None:
+        argv = [sys.executable, "-m", "gradaccum.bench.sweep", "--model", model,
+                "--global-batch", str(global_batch), "--device", str(device),
+                "--threads", str(torch.get_num_threads())]
+        self._proc = subprocess.Popen(argv, env={**os.environ, **TUNED_MALLOC}, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def window(self, micro: int) -> tuple[float, int]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"{micro}\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith(ANSWER):
+                seconds, faults = json.loads(line[len(ANSWER):])
+                return float(seconds), int(faults)
+        raise RuntimeError(f"the tuned-malloc child exited with {self._proc.wait()}")
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait()
 
 
-def _peak_and_floor(sizes: Sizes, micro: int, device: torch.device) -> tuple[int, int]:
-    batches = _batches(sizes, micro, device)
-
-    def two_windows() -> object:
-        loop = build_loop("gradaccum", sizes.sweep_model, len(batches), device)
-        loop.window(batches)
-        loop.window(batches)  # with the optimizer's state allocated
-        return loop
-
-    loop, memory = allocator_memory(two_windows, device)
-    return memory.peak, floor_bytes(loop.model, loop.optimizer)  # type: ignore[attr-defined]
+def _time_micro(timers: dict[str, _Timer], micro: int, repeats: int) -> dict[str, WindowTime]:
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in timers}
+    for round_ in range(-1, repeats):  # round -1: warm-up (optimizer state, allocator)
+        for name, timer in timers.items():
+            sample = timer.window(micro)
+            if round_ >= 0:
+                samples[name].append(sample)
+    return {name: WindowTime(statistics.median(s for s, _ in values),
+                             statistics.fmean(f for _, f in values)) for name, values in samples.items()}
 
 
 def run_sweep(sizes: Sizes, device: torch.device, malloc_compare: bool = True) -> list[SweepRow]:
     """Section b: allocator peak, floor and time per window at every micro-batch of the sweep.
 
     Args:
-        sizes: the global batch and micro-batches.
+        sizes: the model, global batch and micro-batches.
         device: where it trains.
-        malloc_compare: also time the windows in a child process with :data:`TUNED_MALLOC`
-            (CPU only: the variables change glibc's malloc, not a GPU allocator).
+        malloc_compare: also time every window in a child process with :data:`TUNED_MALLOC`,
+            interleaved with this process's (CPU only: the variables change glibc's malloc).
     """
-    launched = time_windows(sizes, device)
-    tuned = _time_in_child(sizes, device) if malloc_compare and device.type == "cpu" else None
+    model, glob = sizes.sweep_model, sizes.global_batch
+    timers: dict[str, _Timer] = {"launched": _LocalTimer(model, glob, device)}
+    child = _ChildTimer(model, glob, device) if malloc_compare and device.type == "cpu" else None
+    if child is not None:
+        timers["tuned"] = child
+    try:
+        times = {micro: _time_micro(timers, micro, sizes.sweep_repeats) for micro in sizes.sweep}
+    finally:
+        if child is not None:
+            child.close()
+    del timers
     rows = []
-    for i, micro in enumerate(sizes.sweep):
-        peak, floor = _peak_and_floor(sizes, micro, device)
-        rows.append(SweepRow(sizes.sweep_model, micro, sizes.global_batch // micro, peak, floor, launched[i],
-                             None if tuned is None else tuned[i]))
+    for micro in sizes.sweep:
+        batches = micro_batches(model, micro, glob // micro, device)
+        loop, memory = window_memory("gradaccum", model, batches, device)
+        rows.append(SweepRow(model, micro, glob // micro, memory.peak,
+                             floor_bytes(loop.model, loop.optimizer),
+                             times[micro]["launched"], times[micro].get("tuned")))
     return rows
 
 
-def _main() -> None:
-    parser = argparse.ArgumentParser(description="time the sweep's windows; print JSON")
+def _serve() -> None:
+    parser = argparse.ArgumentParser(description="time gradaccum windows for micro-batches read on stdin")
     parser.add_argument("--model", required=True)
     parser.add_argument("--global-batch", type=int, required=True)
-    parser.add_argument("--sweep", required=True, help="micro-batches, comma-separated")
-    parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes = Sizes(overhead=(), steps=1, repeats=1, sample_seconds=0.0, sweep_model=args.model,
-                  global_batch=args.global_batch, sweep=tuple(int(m) for m in args.sweep.split(",")),
-                  sweep_repeats=args.repeats, seed_models=(), seed_micro_batch=1)
-    rows = time_windows(sizes, torch.device(args.device))
-    print(json.dumps([row.__dict__ for row in rows]))
+    timer = _LocalTimer(args.model, args.global_batch, torch.device(args.device))
+    for line in sys.stdin:
+        print(ANSWER + json.dumps(timer.window(int(line))), flush=True)
 
 
 if __name__ == "__main__":
-    _main()
+    _serve()

@@ -27,8 +27,9 @@ OVERHEAD_NOTES = [
     "sample column; about a second's worth); the order of the contenders rotates every round. "
     "Ratio: median over the hand-written loop's median; in brackets the quartiles of the "
     "per-round ratios, a measure of the noise.",
-    "- Memory: the allocator peak while building the model and training two windows (the second "
-    "with the optimizer's state). On CPU, the running sum of the PyTorch profiler's memory events "
+    "- Memory: the allocator peak while building the model and training one window (after a "
+    "window of one-item micro-batches, which allocates the optimizer's state). On CPU, the "
+    "running sum of the PyTorch profiler's memory events "
     "(`profile_memory=True`: one event per allocation and per free); on CUDA, "
     "`torch.cuda.max_memory_allocated`. A difference of a few bytes is gradaccum's window loss: "
     "it keeps each micro-batch's detached loss (a 0-dim tensor) until the boundary sums them "
@@ -41,7 +42,8 @@ MALLOC_NOTE = [
     "page in again (the page-fault column), and that can take longer than the arithmetic. "
     "`MALLOC_MMAP_MAX_=0` (no `mmap`) and a large `MALLOC_TRIM_THRESHOLD_` (no trimming) keep "
     "freed memory in the heap for the next micro-batch; the tuned-malloc columns time the same "
-    "windows in a process started with them. glibc reads these variables when a process starts, "
+    "windows in a process started with them, alternating with this one's. glibc reads these "
+    "variables when a process starts, "
     "so set them in the environment of the command, e.g. "
     "`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 gradaccum train ...`; the price is "
     "that the process keeps its peak memory resident. They do not affect a GPU's memory.",
@@ -77,6 +79,6 @@ RESIDENT_NOTES = [
     "each update, copies a second buffer, `zeros`, over it; both are the size of the trainable "
     "parameters and stay allocated for the whole run. gradaccum adds gradients up in `.grad` and "
     "frees them at each boundary (`zero_grad(set_to_none=True)`). Computed: twice the parameter "
-    "bytes. Measured: bytes still allocated after two windows, and the allocator peaks, the "
+    "bytes. Measured: bytes still allocated after a window, and the allocator peaks, the "
     "seed's minus gradaccum's (same model, micro-batches and AdamW).",
 ]

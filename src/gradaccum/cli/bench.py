@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Time per optimizer step and allocator peaks against a hand-written loop and "
                     "Hugging Face Accelerate, memory against micro-batch, exactness against the "
                     "full batch, and the seed's accumulator's buffers. Writes BENCHMARKS.md and "
-                    "PNG figures (about 10 minutes on 2 CPU cores; --smoke: seconds).")
+                    "PNG figures (minutes on 2 CPU cores; --smoke: seconds).")
     p.add_argument("--out", type=Path, default=Path("docs"),
                    help="folder for BENCHMARKS.md and the figures (default: docs)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves it runs, in seconds")
