@@ -3,9 +3,7 @@ seed's accumulator, for time, memory and exactness; writes ``BENCHMARKS.md`` and
 
 Modules: ``config`` (sizes, data), ``loops`` (the contenders), ``seed`` (the seed's accumulator),
 ``measure`` (allocator peaks, interleaved timing), one module per section (``overhead``,
-``sweep``, ``exactness``, ``resident``), and ``plots``, ``report``, ``text``, ``run``.
+``sweep``, ``exactness``, ``resident``), then ``plots``, ``report``, ``text``, and ``run``
+(:func:`gradaccum.bench.run.run_bench`, what the command calls). Nothing is imported here, so that
+``python -m gradaccum.bench.sweep`` (the tuned-malloc child) starts clean.
 """
-
-from gradaccum.bench.run import run_bench
-
-__all__ = ["run_bench"]

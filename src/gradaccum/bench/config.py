@@ -25,7 +25,7 @@ class Sizes:
         global_batch: the window of the memory sweep (items per optimizer step).
         sweep: the micro-batches of the memory sweep, largest first.
         sweep_repeats: timed windows per micro-batch and malloc setting in the memory sweep
-            (after one warm-up window).
+            (after one warm-up window: the memory measurement's, in this process).
         seed_models: the models of the seed-accumulator comparison.
         seed_micro_batch: its micro-batch.
     """
@@ -44,8 +44,8 @@ class Sizes:
 
 FULL = Sizes(
     overhead=(("mlp", 8), ("mlp", 32), ("bench-cnn", 16)),
-    steps=4, repeats=9, sample_seconds=1.0,
-    sweep_model="bench-cnn", global_batch=256, sweep=(256, 128, 64, 32, 16, 8), sweep_repeats=3,
+    steps=4, repeats=7, sample_seconds=1.0,
+    sweep_model="bench-cnn", global_batch=256, sweep=(256, 128, 64, 32, 16, 8), sweep_repeats=2,
     seed_models=("mlp", "bench-cnn"), seed_micro_batch=16,
 )
 

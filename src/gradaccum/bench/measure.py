@@ -138,17 +138,18 @@ class Timings:
 
 
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, calls: int,
-                sync: Callable[[], None] = lambda: None) -> Timings:
+                sync: Callable[[], None] = lambda: None, warmup: bool = True) -> Timings:
     """Time contenders in rounds: each round runs every contender ``calls`` times, in turn.
 
     The order rotates from round to round (A B C, B C A, C A B...), so that no contender always
-    runs first or after the same neighbour. One untimed warm-up round comes first.
+    runs first or after the same neighbour.
 
     Args:
         fns: name -> the function to time.
         repeats: timed rounds.
         calls: calls per contender per round; the sample is their mean.
         sync: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+        warmup: run one untimed round first.
 
     Returns:
         :class:`Timings`, seconds per call.
@@ -160,7 +161,7 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, calls: int,
     """
     names: Sequence[str] = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(-1, repeats):
+    for round_ in range(-1 if warmup else 0, repeats):
         shift = max(round_, 0) % len(names)
         for name in [*names[shift:], *names[:shift]]:
             sync()

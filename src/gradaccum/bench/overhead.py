@@ -61,13 +61,14 @@ def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -
         return lambda: loop.window(next(order))
 
     fns = {name: timed(loop) for name, loop in loops.items()}
-    for fn in fns.values():
-        fn()  # first window: optimizer state, allocator and thread-pool warm-up
+    # The first window of each (optimizer state, allocator, thread pools) is not timed.
+    first = interleaved(fns, repeats=1, calls=1, sync=sync, warmup=False)
     calls = 1
-    if sizes.sample_seconds > 0:  # as many windows per sample as fill sample_seconds
-        probe = interleaved({BASELINE: fns[BASELINE]}, repeats=3, calls=1, sync=sync)
+    if first.median(BASELINE) < sizes.sample_seconds:  # fill a sample with short windows
+        probe = interleaved({BASELINE: fns[BASELINE]}, repeats=3, calls=1, sync=sync, warmup=False)
         calls = max(1, round(sizes.sample_seconds / probe.median(BASELINE)))
-    timings = interleaved(fns, sizes.repeats, calls, sync)
+    # A window that fills a sample by itself is warm after the first; short ones get a round.
+    timings = interleaved(fns, sizes.repeats, calls, sync, warmup=calls > 1)
     return OverheadResult(model, micro_batch, steps, calls, timings, memory)
 
 

@@ -19,13 +19,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from gradaccum.bench.config import Sizes, micro_batches
-from gradaccum.bench.loops import Loop, build_loop, window_memory
+from gradaccum.bench.loops import Batches, Loop, build_loop, window_memory
 from gradaccum.bench.measure import device_sync, floor_bytes, minor_faults
 
 __all__ = ["TUNED_MALLOC", "SweepRow", "WindowTime", "run_sweep"]
@@ -65,14 +66,22 @@ class _LocalTimer:
 
     def __init__(self, model: str, global_batch: int, device: torch.device) -> None:
         self.model, self.global_batch, self.device = model, global_batch, device
-        self._current: tuple[int, Loop, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._current: tuple[int, Loop, Batches] | None = None
+
+    def adopt(self, micro: int, loop: Loop, batches: Batches) -> None:
+        """Time this (already warm) contender for ``micro`` from now on."""
+        self._current = (micro, loop, batches)
+
+    def release(self) -> None:
+        """Drop the current model, e.g. before another one is measured."""
+        self._current = None
 
     def window(self, micro: int) -> tuple[float, int]:
         if self._current is None or self._current[0] != micro:
-            self._current = None  # free the previous model and batches before building the next
-            batches = micro_batches(self.model, micro, self.global_batch // micro, self.device)
-            self._current = (micro, build_loop("gradaccum", self.model, len(batches), self.device),
-                             batches)
+            self.release()  # free the previous model and batches before building the next
+            fresh = micro_batches(self.model, micro, self.global_batch // micro, self.device)
+            self.adopt(micro, build_loop("gradaccum", self.model, len(fresh), self.device), fresh)
+        assert self._current is not None
         _, loop, batches = self._current
         sync = device_sync(self.device)
         sync()
@@ -108,19 +117,22 @@ class _ChildTimer:
         self._proc.wait()
 
 
-def _time_micro(timers: dict[str, _Timer], micro: int, repeats: int) -> dict[str, WindowTime]:
+def _time_micro(timers: dict[str, _Timer], micro: int, repeats: int,
+                cold: Collection[str]) -> dict[str, WindowTime]:
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in timers}
-    for round_ in range(-1, repeats):  # round -1: warm-up (optimizer state, allocator)
+    for name in cold:  # one untimed window: optimizer state, allocator
+        timers[name].window(micro)
+    for _ in range(repeats):
         for name, timer in timers.items():
-            sample = timer.window(micro)
-            if round_ >= 0:
-                samples[name].append(sample)
+            samples[name].append(timer.window(micro))
     return {name: WindowTime(statistics.median(s for s, _ in values),
                              statistics.fmean(f for _, f in values)) for name, values in samples.items()}
 
 
 def run_sweep(sizes: Sizes, device: torch.device, malloc_compare: bool = True) -> list[SweepRow]:
     """Section b: allocator peak, floor and time per window at every micro-batch of the sweep.
+
+    The memory measurement's window is also this process's warm-up window at that micro-batch.
 
     Args:
         sizes: the model, global batch and micro-batches.
@@ -129,23 +141,26 @@ def run_sweep(sizes: Sizes, device: torch.device, malloc_compare: bool = True) -
             interleaved with this process's (CPU only: the variables change glibc's malloc).
     """
     model, glob = sizes.sweep_model, sizes.global_batch
-    timers: dict[str, _Timer] = {"launched": _LocalTimer(model, glob, device)}
+    local = _LocalTimer(model, glob, device)
+    timers: dict[str, _Timer] = {"launched": local}
     child = _ChildTimer(model, glob, device) if malloc_compare and device.type == "cpu" else None
     if child is not None:
         timers["tuned"] = child
+    rows = []
     try:
-        times = {micro: _time_micro(timers, micro, sizes.sweep_repeats) for micro in sizes.sweep}
+        for micro in sizes.sweep:
+            local.release()
+            batches = micro_batches(model, micro, glob // micro, device)
+            loop, memory = window_memory("gradaccum", model, batches, device)
+            local.adopt(micro, loop, batches)
+            times = _time_micro(timers, micro, sizes.sweep_repeats, cold=["tuned"] if child else [])
+            rows.append(SweepRow(model, micro, glob // micro, memory.peak,
+                                 floor_bytes(loop.model, loop.optimizer),
+                                 times["launched"], times.get("tuned")))
     finally:
+        local.release()
         if child is not None:
             child.close()
-    del timers
-    rows = []
-    for micro in sizes.sweep:
-        batches = micro_batches(model, micro, glob // micro, device)
-        loop, memory = window_memory("gradaccum", model, batches, device)
-        rows.append(SweepRow(model, micro, glob // micro, memory.peak,
-                             floor_bytes(loop.model, loop.optimizer),
-                             times[micro]["launched"], times[micro].get("tuned")))
     return rows
 
 

@@ -22,7 +22,7 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gradaccum.bench import run_bench
+    from gradaccum.bench.run import run_bench
 
     if args.threads is not None and args.threads < 1:
         args.parser.error(f"--threads must be >= 1, got {args.threads}")
