@@ -59,14 +59,19 @@ def _run(out: Path, smoke: bool, dev: torch.device, malloc_compare: bool, comman
     sizes = SMOKE if smoke else FULL
     machine = {**describe_machine(), "device": str(dev)}
     start = time.perf_counter()
-    log("gradaccum bench: overhead against the hand-written loop")
+
+    def section(title: str) -> None:
+        log(f"gradaccum bench: {title} ({time.perf_counter() - start:.0f} s so far)")
+
+    section("overhead against the hand-written loop")
     overhead = run_overhead(sizes, dev, log)
-    log("gradaccum bench: memory against micro-batch")
+    section("memory against micro-batch")
     sweep = run_sweep(sizes, dev, malloc_compare)
-    log("gradaccum bench: exactness")
+    section("exactness")
     exactness = run_exactness()
-    log("gradaccum bench: the seed's accumulator")
+    section("the seed's accumulator")
     resident = run_resident(sizes, dev)
+    section("report")
     out.mkdir(parents=True, exist_ok=True)
     plot_overhead(overhead, out / FIGURES["overhead"], TIME_TARGET)
     plot_memory(sweep, out / FIGURES["memory"])
