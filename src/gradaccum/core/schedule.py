@@ -66,6 +66,31 @@ class Schedule:
         """The window size if it never changes, else ``None``."""
         return self._const
 
+    def table(self) -> tuple[list[int], list[int]] | None:
+        """The schedule as a step function: ``(starts, sizes)``, the first start 0.
+
+        N is ``sizes[i]`` for counts from ``starts[i]`` up to the next start. A backend that
+        cannot call Python when a window opens (a compiled MindSpore graph) looks N up in this
+        table instead, so both backends read the same rule.
+
+        Returns:
+            The table, or ``None`` for a callable schedule (it has no finite table).
+
+        Example:
+            >>> Schedule({2: 4, 5: 2}).table()
+            ([0, 2, 5], [1, 4, 2])
+            >>> Schedule(3).table()
+            ([0], [3])
+        """
+        if self._const is not None:
+            return [0], [self._const]
+        if self._fn is not None:
+            return None
+        if self._starts[0] == 0:
+            return list(self._starts), list(self._sizes)
+        # N = 1 before the smallest key (see the class docstring).
+        return [0, *self._starts], [1, *self._sizes]
+
     def __call__(self, count: int) -> int:
         """Return N for a window that opens after ``count`` optimizer steps (or in that epoch).
 

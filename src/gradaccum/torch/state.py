@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads"]
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads"]
 
 
 def param_signature(params: Sequence[torch.Tensor]) -> list[list[Any]]:
@@ -29,28 +29,7 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> None:
         TypeError: ``state`` is not a mapping from :meth:`Accumulator.state_dict`.
         ValueError: another format version, another ``steps``, or other parameters.
     """
-    if not isinstance(state, Mapping) or "grads" not in state or "window" not in state:
-        raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
-    if state.get("version") != FORMAT_VERSION:
-        raise ValueError(f"state has format version {state.get('version')!r}, expected {FORMAT_VERSION}")
-    if state["steps"] != steps:
-        raise ValueError(
-            f"state was saved with steps={state['steps']!r}, this accumulator has steps={steps!r}"
-        )
-    saved, ours = state["param_signature"], param_signature(params)
-    if saved != ours:
-        where = "" if len(saved) != len(ours) else (
-            f"; first difference at parameter {_first_difference(saved, ours)}")
-        raise ValueError(
-            f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}"
-        )
-    grads = state["grads"]
-    if len(grads) != len(ours):
-        raise ValueError(f"state holds {len(grads)} gradients for {len(ours)} parameters")
-
-
-def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
-    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    check_state_record(state, steps, param_signature(params))
 
 
 def restore_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
