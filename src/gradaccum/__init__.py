@@ -15,17 +15,32 @@ Example:
 """
 
 from gradaccum.core import Schedule, check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.torch import Accumulator, MicroBatch
+from gradaccum.core.memory import MemoryEstimate
+from gradaccum.torch import (
+    Accumulator,
+    AutoBatch,
+    MicroBatch,
+    NoMicroBatchFitsError,
+    batch_size,
+    is_oom_error,
+    split_batch,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "AutoBatch",
+    "MemoryEstimate",
     "MicroBatch",
+    "NoMicroBatchFitsError",
     "Schedule",
     "__version__",
+    "batch_size",
     "check_batch_sizes",
+    "is_oom_error",
     "lr_scale",
     "resolve_batch_sizes",
+    "split_batch",
     "split_sizes",
 ]

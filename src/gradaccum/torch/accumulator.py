@@ -10,7 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 import torch
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.errors import check_nonneg_int
+from gradaccum.core.errors import check_nonneg_int, check_positive_int
 from gradaccum.torch.grads import grads_of, scale_and_clip_
 from gradaccum.torch.precision import active_scaler, scaler_found_inf
 from gradaccum.torch.state import (
@@ -61,6 +61,8 @@ class Accumulator:
         ...  for xb, yb in zip(x.split(2), y.split(2))]
         [False, True, False, True]
     """
+
+    _window: Window
 
     def __init__(
         self,
@@ -176,6 +178,25 @@ class Accumulator:
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
             self._open_window()
+
+    def resize_window(self, steps: int) -> None:
+        """Give the current, empty window another size: ``steps`` micro-batches complete it.
+
+        For a caller that learns a window's size only when its data arrives, such as
+        :class:`gradaccum.AutoBatch` (one global batch split into ``steps`` micro-batches). Under
+        DDP the last of them still carries the window's single gradient sync. The schedule is
+        read again when the next window opens.
+
+        Raises:
+            TypeError, ValueError: ``steps`` is not an integer >= 1, or the window already holds
+                micro-batches; nothing changes then.
+        """
+        n = check_positive_int("steps", steps)
+        if not self._window.empty:
+            raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
+                             f"{self.micro_step} of {self.steps} micro-batches")
+        self._window = self._window.resized(n)
+        self._sync.prepare(self._window.next_is_last)
 
     def register_boundary_hook(self, hook: BoundaryHook) -> RemovableHandle:
         """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
