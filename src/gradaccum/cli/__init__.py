@@ -17,6 +17,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 # name -> (module, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
+    "plan": ("gradaccum.cli.plan", "predict memory per micro-batch; recommend micro-batch x steps"),
 }
 
 

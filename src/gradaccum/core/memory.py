@@ -2,11 +2,13 @@
 
 The peak memory of a training step at micro-batch ``m`` is modelled as
 
-    peak(m) = static + overhead + activation_per_sample * m
+    peak(m) = max(static + overhead + activation_per_sample * m, update_peak)
 
 where ``static`` is what lives whatever ``m`` is (parameters, buffers, gradients, optimizer
 state), ``activation_per_sample`` is the slope measured by probe steps at two micro-batch sizes,
-and ``overhead`` is the rest of the intercept (workspace, the loss, allocator rounding). The
+``overhead`` is the rest of the intercept (workspace, the loss, allocator rounding), and
+``update_peak`` the peak of the optimizer step (its temporaries), which does not depend on ``m``
+and sets the peak of small micro-batches. The
 measurement lives in the framework adapters; this module only does the arithmetic, so every
 backend plans the same way.
 """
@@ -89,7 +91,8 @@ class MemoryEstimate:
         grad_bytes: gradients (one per trainable parameter, held across a window's micro-batches).
         optimizer_bytes: optimizer state (momentum, Adam moments, step counters).
         activation_bytes_per_sample: the peak's growth per sample of micro-batch (the slope).
-        overhead_bytes: the rest of the peak that does not grow with the micro-batch.
+        overhead_bytes: the rest of the micro-batches' peak that does not grow with their size.
+        update_peak_bytes: the peak of the optimizer step, everything alive included.
 
     Example:
         >>> est = MemoryEstimate(100, 100, 200, 10.0, 50.0)
@@ -104,6 +107,7 @@ class MemoryEstimate:
     optimizer_bytes: int
     activation_bytes_per_sample: float
     overhead_bytes: float
+    update_peak_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -117,7 +121,8 @@ class MemoryEstimate:
             TypeError, ValueError: ``micro_batch`` is not an integer >= 1.
         """
         m = check_positive_int("micro_batch", micro_batch)
-        return round(self.static_bytes + self.overhead_bytes + self.activation_bytes_per_sample * m)
+        line = round(self.static_bytes + self.overhead_bytes + self.activation_bytes_per_sample * m)
+        return max(line, self.update_peak_bytes)
 
     @property
     def floor(self) -> int:
@@ -136,7 +141,8 @@ class MemoryEstimate:
                 f"budget {format_bytes(b)} ({b} B) is below the floor {format_bytes(self.floor)} "
                 f"({self.floor} B): parameters {format_bytes(self.param_bytes)} + gradients "
                 f"{format_bytes(self.grad_bytes)} + optimizer state {format_bytes(self.optimizer_bytes)}"
-                f" + one sample's activations and overhead; no micro-batch fits"
+                " + one sample's activations and overhead (or the optimizer step's own peak); "
+                "no micro-batch fits"
             )
         if self.activation_bytes_per_sample <= 0:
             return 2**62  # the peak does not grow with the micro-batch: any size fits
