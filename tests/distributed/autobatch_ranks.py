@@ -106,9 +106,25 @@ def ranks_with_other_part_counts(rank: int, world: int) -> dict[str, Any]:
     return {"message": None}
 
 
+def oom_in_a_synced_last_micro_batch(rank: int, world: int) -> dict[str, Any]:
+    # Window 1 at 4 syncs nothing (calls 1-3); window 2 syncs in its last part: rank 1 runs out
+    # there (call 6) while rank 0 waits in DDP's gradient all-reduce. Unrecoverable by design:
+    # rank 1 raises; rank 0 fails once rank 1 leaves the group. Last scenario: it breaks the group.
+    model, acc = setup(FailAtCalls(calls=(6,) if rank == 1 else ()))
+    auto = gradaccum.AutoBatch(acc, "auto", start=4)
+    start = time.monotonic()
+    try:
+        auto.run(shares(rank, world)[0][:2], loss_of(model))
+    except RuntimeError as error:
+        return {"error_type": type(error).__name__, "message": str(error),
+                "cause": type(error.__cause__).__name__, "seconds": time.monotonic() - start}
+    return {"error_type": None}
+
+
 SCENARIOS = {"recovers_on_both_ranks": recovers_on_both_ranks,
              "oom_at_one_on_one_rank": oom_at_one_on_one_rank,
-             "ranks_with_other_part_counts": ranks_with_other_part_counts}
+             "ranks_with_other_part_counts": ranks_with_other_part_counts,
+             "oom_in_a_synced_last_micro_batch": oom_in_a_synced_last_micro_batch}
 
 
 def main() -> None:
@@ -126,7 +142,7 @@ def main() -> None:
             results[name] = {"error": traceback.format_exc()}
         print(f"{name}: {time.monotonic() - start:.2f}s", flush=True)
     torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    # No destroy_process_group: the last scenario leaves the group broken on purpose.
 
 
 if __name__ == "__main__":

@@ -79,3 +79,12 @@ def test_ranks_that_split_into_other_part_counts_get_a_clear_error(ranks):
     r0, r1 = results(ranks, "ranks_with_other_part_counts")
     for r in (r0, r1):
         assert "2 to 3 micro-batches" in r["message"] and r["micro_step"] == 0
+
+
+def test_oom_in_a_synced_last_micro_batch_raises_instead_of_hanging(ranks):
+    # What remains unrecoverable: the rank that ran out says why; the rank waiting in the
+    # gradient all-reduce fails when the first one leaves (gloo), instead of hanging.
+    r0, r1 = results(ranks, "oom_in_a_synced_last_micro_batch")
+    assert r1["error_type"] == "RuntimeError" and r1["cause"] == "OutOfMemoryError"
+    assert "last micro-batch of a window under DDP" in r1["message"]
+    assert r0["error_type"] == "RuntimeError"
