@@ -172,7 +172,14 @@ class Accumulator:
         self._open_window()
 
     def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch schedule the epoch; an empty window takes the new N at once."""
+        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
+
+        Call it before the epoch's first micro-batch. An empty window takes the new N at once; a
+        window carried over from the previous epoch keeps its N until its boundary.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an integer >= 0.
+        """
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
             self._open_window()
@@ -234,6 +241,9 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         self.window_loss = None if loss_sum is None else loss_sum * factor
         self._loss_sum = None
+        # Emptied before the hooks and the schedule run: should either raise, the applied window
+        # must not be applied a second time by the next micro-batch.
+        self._window = Window(window.size)
         for hook in list(self._hooks.values()):
             hook(self)
         self._open_window()
