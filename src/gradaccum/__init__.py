@@ -14,18 +14,28 @@ Example:
     1
 """
 
-from gradaccum.core import Schedule, check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.torch import Accumulator, MicroBatch
+from gradaccum.core import (
+    Schedule,
+    check_batch_sizes,
+    lr_scale,
+    parse_schedule,
+    resolve_batch_sizes,
+    split_sizes,
+)
+from gradaccum.torch import Accumulator, CheckReport, MicroBatch, check_equivalence
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "CheckReport",
     "MicroBatch",
     "Schedule",
     "__version__",
     "check_batch_sizes",
+    "check_equivalence",
     "lr_scale",
+    "parse_schedule",
     "resolve_batch_sizes",
     "split_sizes",
 ]

@@ -17,6 +17,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 # name -> (module, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
+    "check": ("gradaccum.cli.check", "is accumulation exact for a model? (full batch vs N micro-batches)"),
 }
 
 
