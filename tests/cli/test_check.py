@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import torch
+
 from gradaccum.cli import main
 
 FACTORY = """

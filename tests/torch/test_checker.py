@@ -1,10 +1,10 @@
 """The equivalence checker: full batch against N micro-batches, per tensor, with the culprits named."""
 
 import pytest
-
 import torch
-from gradaccum.torch.checker import check_equivalence
 from torch import nn
+
+from gradaccum.torch.checker import check_equivalence
 
 
 class Center(nn.Module):

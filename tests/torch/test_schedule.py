@@ -5,12 +5,12 @@ import io
 import itertools
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from gradaccum import Schedule
 from reference import assert_params_close, clone_model, data, mlp, reference_steps
-from torch import nn
 
 MICRO = 4  # items per micro-batch
 

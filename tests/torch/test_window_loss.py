@@ -3,12 +3,12 @@
 import itertools
 
 import pytest
+import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import gradaccum
-import torch
 from reference import clone_model, data, mlp, reference_steps
-from torch import nn
 
 MICRO = 4
 # Tensor methods that copy a value to the host (a GPU synchronization on a device tensor).

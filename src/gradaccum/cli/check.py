@@ -94,6 +94,7 @@ def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tup
 
 def _run(args: argparse.Namespace) -> int:
     import torch
+
     from gradaccum.torch.checker import check_equivalence
 
     try:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from gradaccum.core import parse_schedule
 from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
@@ -81,7 +82,8 @@ def _setup(config: TrainConfig, log: Log) -> _Run:
     x, y = mnist_tensors("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
     opt = make_optimizer(config.optimizer, model.parameters(), config.lr)
-    acc = Accumulator(opt, config.steps, model=model)
+    steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
+    acc = Accumulator(opt, steps, model=model)
     return _Run(config, model, acc, x.to(device), y.to(device), x_test.to(device),
                 y_test.to(device), device, MetricsWriter(config.out), log,
                 weighted=len(x) % config.micro_batch != 0)

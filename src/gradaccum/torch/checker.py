@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
 from gradaccum.core.errors import check_positive_int
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.hazards import Hazard, find_hazards
 from gradaccum.torch.report import format_report
 from gradaccum.torch.tracing import ModuleTrace, trace_modules
-from torch import nn
 
 __all__ = ["DEFAULT_TOLERANCES", "CheckReport", "TensorDiff", "check_equivalence"]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-import torch
 from gradaccum.torch.tracing import ModuleTrace
-from torch import nn
 
 __all__ = ["Hazard", "find_hazards"]
 
