@@ -27,11 +27,12 @@ import statistics
 from collections.abc import Sequence
 
 import torch
+from torch import nn
+
 from gradaccum import Accumulator
 from gradaccum.cli.info import describe_machine
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import build_model
-from torch import nn
 
 Grads = list[torch.Tensor]
 

@@ -3,12 +3,12 @@
 import io
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from gradaccum.torch.accum_buffers import AccumBuffers
 from reference import assert_params_close, bitwise_equal, clone_model, data, mlp, reference_steps, snapshot
-from torch import nn
 
 MICRO = 4
 

@@ -5,12 +5,12 @@ too) keep these tests fast; inductor behaves the same but compiles for tens of s
 """
 
 import pytest
+import torch
+from torch import nn
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import gradaccum
-import torch
 from reference import assert_params_close, clone_model
-from torch import nn
 
 SEQ, D_IN, CLASSES = 5, 6, 3
 

@@ -1,11 +1,11 @@
 """A non-finite gradient drops the whole window: under a GradScaler, or with skip_nonfinite."""
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import assert_params_close, bitwise_equal, clone_model, data, mlp, reference_steps, snapshot
-from torch import nn
 
 MICRO = 4
 STEPS = 4

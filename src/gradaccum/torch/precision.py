@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.nn.utils import get_total_norm
 
-import torch
 from gradaccum.torch.accum_buffers import WIDE_DTYPES, AccumBuffers
 from gradaccum.torch.grads import grads_of
 
@@ -129,6 +129,7 @@ class Precision:
                     "FSDP's MixedPrecisionPolicy) instead")
         self.optimizer = optimizer
         self.scaler = scaler
+        self._scaler = active_scaler(scaler)  # read once: the per-micro-step path stays a branch
         self.skip_nonfinite = skip_nonfinite
         self.buffers = buffers if buffers else None
         wide = set() if self.buffers is None else {id(p) for p in self.buffers.params}
@@ -137,7 +138,7 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch's (already weighted) loss, scaled by an active scaler, then
         fold narrow gradients into the wide buffers: the only per-micro-step work here."""
-        scaler = active_scaler(self.scaler)
+        scaler = self._scaler
         (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
         if self.buffers is not None:
             self.buffers.collect()
@@ -146,7 +147,7 @@ class Precision:
         """At the boundary: the window's gradients, unscaled once, ready to normalize and clip."""
         grads = grads_of(self._native)
         wide = [] if self.buffers is None else self.buffers.grads()
-        scaler = active_scaler(self.scaler)
+        scaler = self._scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
             unscale_wide_(scaler, self.optimizer, wide)
@@ -163,7 +164,7 @@ class Precision:
             ``(stepped, norm)``: ``norm`` is computed here (one foreach pass) when the non-finite
             check needs it and clipping did not.
         """
-        scaler = active_scaler(self.scaler)
+        scaler = self._scaler
         if scaler is not None:
             found_inf = scaler_found_inf(scaler, self.optimizer)
             if not found_inf:
