@@ -237,9 +237,10 @@ def test_scaler_with_wide_buffers_unscales_once():
         torch.testing.assert_close(g.double(), expected, rtol=2**-7, atol=1e-6)
 
 
-def test_wide_buffers_refused_under_ddp(tmp_path):
+def test_wide_buffers_refused_under_ddp(tmp_path, monkeypatch):
     import torch.distributed as dist
 
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         ddp = nn.parallel.DistributedDataParallel(mlp(torch.bfloat16))

@@ -15,8 +15,9 @@ INF = float("inf")
 def build(model, *, scaler=None, clip_norm=None, opt="sgd", **options):
     if opt == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:  # "fused": the optimizer skips the step itself, from the scaler's found_inf
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1,
+                                      fused=opt == "fused")
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     acc = gradaccum.Accumulator(optimizer, STEPS, scheduler=sched, scaler=scaler, clip_norm=clip_norm,
                                 **options)
@@ -54,7 +55,7 @@ def optimizer_tensors(opt):
 @pytest.mark.parametrize("poison", ["inf", "nan"])
 @pytest.mark.parametrize("clip_norm", [None, 1.0])
 @pytest.mark.parametrize("where", [0, 2, STEPS - 1])
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "fused"])
 def test_scaler_skips_the_whole_window_with_a_non_finite_micro_batch(where, clip_norm, poison, opt):
     model = mlp(torch.float32)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
