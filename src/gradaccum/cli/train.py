@@ -43,7 +43,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
         help="a folder with the four MNIST .gz files (default: the shipped copy)")
     add("--limit-train", type=int, default=None, help="use the first N training items")
     add("--limit-test", type=int, default=None, help="use the first N test items")
-    add("--precision", default="fp32", choices=["fp32"])
+    add("--precision", default="fp32", choices=["fp32", "bf16"],
+        help="bf16: forward under torch.autocast(bfloat16), float32 parameters; windows with a "
+             "non-finite gradient are skipped and counted (skipped_windows)")
     add("--backend", default="torch", choices=["torch"])
     add("--device", default="cpu", help="cpu, cuda, cuda:1 (torch backend)")
     add("--log-every", type=int, default=100, help="print a loss line every N micro-batches")
