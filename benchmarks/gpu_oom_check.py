@@ -27,8 +27,9 @@ import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA
 
-import gradaccum
 import torch
+
+import gradaccum
 from gradaccum.cli.info import describe_machine
 from gradaccum.core.memory import format_bytes
 from gradaccum.demos.models import MODELS, build_model

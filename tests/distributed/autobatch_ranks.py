@@ -15,11 +15,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import gradaccum
-import torch
 
 SCRIPT = Path(__file__).with_name("autobatch_ranks.py")
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import assert_params_close, bitwise_equal, data, mlp, reference_steps, snapshot
-from torch import nn
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000 bytes."

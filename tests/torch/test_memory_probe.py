@@ -1,11 +1,11 @@
 """The memory probes: measured peaks against known allocations, and the plan against a measured peak."""
 
 import pytest
-
 import torch
+from torch import nn
+
 from gradaccum.demos.models import build_model
 from gradaccum.torch.memory_probe import estimate_memory, measure_peak, tensor_bytes
-from torch import nn
 
 MiB = 2**20
 

@@ -54,6 +54,7 @@ def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
         (3, 64, 64)
     """
     import torch
+
     from gradaccum.demos.models import MODELS, build_model
 
     if spec in MODELS:
@@ -108,6 +109,7 @@ def _check(est: Any, model: Any, optimizer: Any, shape: tuple[int, ...], micro: 
 def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | None]:
     """The model on its device, the sample shape, the device and the budget; ValueError if bad."""
     import torch
+
     from gradaccum.core.memory import parse_bytes
 
     budget = None if args.budget is None else parse_bytes(args.budget)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
 from gradaccum.core import check_positive_int, split_sizes
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.batch_split import batch_size, split_batch

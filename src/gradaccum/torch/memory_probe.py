@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+
 from gradaccum.core import check_positive_int
 from gradaccum.core.memory import MemoryEstimate, fit_line
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import gc
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 
 __all__ = ["cuda_in_use", "is_oom_error", "max_over_ranks", "release_memory"]
 
