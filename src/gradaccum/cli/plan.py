@@ -8,7 +8,6 @@ measures the real peak at a micro-batch the probes did not use and prints both n
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
@@ -29,24 +28,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    parts = text.replace("x", ",").split(",")
-    try:
-        shape = tuple(_positive_int(p) for p in parts)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be sizes >= 1 such as 3,64,64 or 3x64x64, got {text!r}") from None
-    return shape
-
-
 def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
-    """Build a model from a demo name or an importable ``module:factory``.
+    """Build a model from a demo name or an importable ``module:factory`` (as ``gradaccum check``).
 
     Returns:
         ``(model, sample_shape)``; the shape is known for the demo models, else ``None``.
 
     Raises:
-        ValueError: not a demo name, or the factory cannot be imported or gives no module.
+        ValueError, TypeError, ImportError: see :func:`gradaccum.cli.check.load_factory`; also a
+            factory that returns something other than an ``nn.Module``.
 
     Example:
         >>> model, shape = load_model("bench-cnn")
@@ -55,24 +45,14 @@ def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
     """
     import torch
 
-    from gradaccum.demos.models import MODELS, build_model
+    from gradaccum.cli.check import load_factory
 
-    if spec in MODELS:
-        return build_model(spec, seed=seed), MODELS[spec][1]
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"model must be one of {sorted(MODELS)} or module:factory, got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"model {spec!r} cannot be imported: {error}") from error
-    if not callable(factory):
-        raise ValueError(f"model {spec!r} is a {type(factory).__name__}, not a factory")
+    factory, shape = load_factory(spec)
     torch.manual_seed(seed)
     model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model factory {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
-    return model, None
+        raise TypeError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model, shape
 
 
 def _optimizer(name: str, params: Any) -> Any:
@@ -110,13 +90,14 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     """The model on its device, the sample shape, the device and the budget; ValueError if bad."""
     import torch
 
+    from gradaccum.cli.check import parse_shape
     from gradaccum.core.memory import parse_bytes
 
     budget = None if args.budget is None else parse_bytes(args.budget)
     if args.probe[0] == args.probe[1]:
         raise ValueError(f"--probe needs two different micro-batch sizes, got {args.probe}")
     model, default_shape = load_model(args.model, args.seed)
-    shape = args.input_shape or default_shape
+    shape = default_shape if args.input_shape is None else parse_shape(args.input_shape)
     if shape is None:
         raise ValueError(f"--input-shape is required for model {args.model!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -156,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         model, shape, device, budget = _setup(args)
-    except ValueError as error:
+    except (ValueError, TypeError, ImportError) as error:
         print(f"gradaccum plan: error: {error}", file=sys.stderr)
         return 2
     optimizer = _optimizer(args.optimizer, model.parameters())
@@ -183,7 +164,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        description=__doc__)
     p.add_argument("--model", default="bench-cnn",
                    help="a demo model (mlp, cnn, cnn-bn, bench-cnn) or module:factory (default bench-cnn)")
-    p.add_argument("--input-shape", type=_shape, default=None,
+    p.add_argument("--input-shape", default=None,
                    help="one sample's shape, e.g. 3,64,64 (default: the demo model's)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the parameters' dtype")
