@@ -12,7 +12,7 @@ from gradaccum.core.errors import (
     check_positive_int,
 )
 from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.core.schedule import Schedule, as_schedule
+from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
 from gradaccum.core.window import Weighting, Window
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "check_positive_int",
     "check_state_record",
     "lr_scale",
+    "parse_schedule",
     "resolve_batch_sizes",
     "split_sizes",
 ]
