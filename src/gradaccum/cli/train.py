@@ -46,7 +46,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
     add("--precision", default="fp32", choices=["fp32", "bf16"],
         help="bf16: forward under torch.autocast(bfloat16), float32 parameters; windows with a "
              "non-finite gradient are skipped and counted (skipped_windows)")
-    add("--backend", default="torch", choices=["torch"])
+    add("--backend", default="torch", choices=["torch", "mindspore"],
+        help="mindspore: the same run through gradaccum.mindspore inside @ms.jit (CPU, fp32; "
+             "needs pip install 'gradaccum[mindspore]')")
     add("--device", default="cpu", help="cpu, cuda, cuda:1 (torch backend)")
     add("--log-every", type=int, default=100, help="print a loss line every N micro-batches")
     add("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -75,9 +77,14 @@ def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | st
 
 def run_config(config: TrainConfig) -> RunResult:
     """Run one experiment on its backend, and write its summary and plot into ``config.out``."""
-    from gradaccum.demos.trainer import run_torch
+    if config.backend == "mindspore":
+        from gradaccum.demos.mindspore_trainer import run_mindspore
 
-    result = run_torch(config)
+        result = run_mindspore(config)
+    else:
+        from gradaccum.demos.trainer import run_torch
+
+        result = run_torch(config)
     if config.out is not None:
         _write_outputs(result, config.out)
     return result
