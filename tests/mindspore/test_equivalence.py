@@ -193,3 +193,19 @@ def test_discard_drops_the_partial_window():
     for xb, yb in windows(x[4:], y[4:], 4):
         acc(fn(xb, yb)[1])
     assert_params_close(params(model), reference([(x[4:], y[4:])], optimizer=nn.SGD))
+
+
+def test_discard_after_a_nonfinite_micro_batch_leaves_nothing_behind():
+    # The buffer is overwritten by a window's first micro-batch, never zeroed by arithmetic: a
+    # NaN dropped with discard() cannot reach a later window (NaN - NaN would still be NaN).
+    x, y = data(2 * 4)
+    model = net()
+    acc = Accumulator(nn.SGD(model.trainable_params(), 0.1), steps=2)
+    fn = grad_fn(model)
+    good = fn(x[:4], y[:4])[1]
+    acc(tuple(g * float("nan") for g in good))
+    acc.discard()
+    for xb, yb in windows(x, y, 4):
+        acc(fn(xb, yb)[1])
+    assert all(np.isfinite(p).all() for p in params(model))
+    assert_params_close(params(model), reference([(x, y)], optimizer=nn.SGD))

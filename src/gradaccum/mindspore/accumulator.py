@@ -21,55 +21,21 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, ops
 
-from gradaccum.core import Schedule, Weighting, Window, as_schedule, check_optional_positive_float
+from gradaccum.core import Weighting, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.errors import check_nonneg_int
+from gradaccum.mindspore import buffers
 from gradaccum.mindspore import state as _state
+from gradaccum.mindspore.validate import check_call, check_parts
 
 __all__ = ["Accumulator"]
 
 _instance_ids = itertools.count()
-_INT_DTYPES = (ms.int8, ms.int16, ms.int32, ms.int64, ms.uint8, ms.uint16, ms.uint32, ms.uint64)
-
-
-# HyperMap applies these to every buffer; they live at module level because HyperMap takes no
-# closures. Plain assign/assign_add: MindSpore's in-place Tensor methods have no CPU kernels.
-def _add_(buf: Tensor, grad: Tensor) -> Tensor:
-    return ops.assign_add(buf, grad)
-
-
-def _add_weighted_(weight: Tensor, buf: Tensor, grad: Tensor) -> Tensor:
-    return ops.assign_add(buf, grad * weight.astype(grad.dtype))
-
-
-def _scale_(factor: Tensor, buf: Tensor) -> Tensor:
-    return ops.assign(buf, buf * factor.astype(buf.dtype))
-
-
-def _zero_(buf: Tensor) -> Tensor:
-    return ops.assign(buf, ops.zeros_like(buf))
-
-
-def _square_sum(buf: Tensor) -> Tensor:
-    return ops.sum(ops.square(buf.astype(ms.float32)))
 
 
 def _counter(tag: str, name: str, value: int, dtype: Any = ms.int32) -> Parameter:
     return Parameter(Tensor(value, dtype), f"{tag}.{name}", requires_grad=False)
-
-
-def _check_parts(optimizer: Any, weighting: Any, schedule: Schedule) -> None:
-    if not isinstance(optimizer, nn.Optimizer):
-        raise TypeError(f"optimizer must be a mindspore.nn.Optimizer, got {type(optimizer).__name__}")
-    if weighting not in ("mean", "items"):
-        raise ValueError(f"weighting must be 'mean' or 'items', got {weighting!r}")
-    if schedule.by == "optimizer_step" and schedule.table() is None:
-        raise TypeError(
-            f"steps={schedule.describe()!r}: a callable counted in optimizer steps cannot run "
-            "inside a compiled graph; give an int, a mapping {optimizer_step: N}, or "
-            "Schedule(fn, by='epoch') with set_epoch()"
-        )
 
 
 @ms.jit_class
@@ -78,7 +44,8 @@ class Accumulator:
 
     Call it with each micro-batch's gradients, inside ``@ms.jit`` or eagerly. At each window
     boundary, in this order: normalize, clip the window gradient's global L2 norm to
-    ``clip_norm``, optimizer step, buffer reset in place. Between boundaries the parameters are
+    ``clip_norm``, optimizer step; the next window's first micro-batch then overwrites the
+    buffer in place (no zeros copy, no zeroing pass). Between boundaries the parameters are
     unchanged. The buffer is the only parameter-sized state (the tutorial's class keeps two).
 
     Normalization: with ``weighting="mean"`` the window's gradient is the mean of its
@@ -114,7 +81,7 @@ class Accumulator:
                  weighting: Weighting = "mean") -> None:
         schedule = as_schedule(steps)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
-        _check_parts(optimizer, weighting, schedule)
+        check_parts(optimizer, weighting, schedule)
         self.optimizer = optimizer
         self.schedule = schedule
         self.weighting = weighting
@@ -158,16 +125,16 @@ class Accumulator:
             TypeError, ValueError: a bad ``n_items`` or ``grads``; inside ``@ms.jit`` when the
                 graph compiles, before anything changes.
         """
-        self._check_call(grads, n_items)
+        check_call(len(self._grads), self.weighting, grads, n_items)
         if n_items is None:
-            self._map(_add_, self._grads, grads)
+            added = self._add(grads)
         else:
             count = Tensor(n_items, ms.int64) if isinstance(n_items, int) else (
                 n_items.reshape(()).astype(ms.int64))
-            self._map(ops.partial(_add_weighted_, count), self._grads, grads)
+            added = self._add_weighted(grads, count)
             ops.assign_add(self._items, count)
         ops.assign_add(self._micro_step, Tensor(1, ms.int32))
-        stepped = self._micro_step >= self._size
+        stepped = ops.depend(self._micro_step >= self._size, added)
         if stepped:
             # Assigned, not just called: inside a graph branch, MindSpore drops a call whose
             # result goes nowhere (a method returning None), side effects included.
@@ -186,36 +153,26 @@ class Accumulator:
         return stepped
 
     def discard(self) -> Tensor:
-        """Drop the partial window: the buffer is zeroed and the window starts again."""
-        self._map(_zero_, self._grads)
+        """Drop the partial window: the next micro-batch starts a new one."""
         ops.assign(self._micro_step, Tensor(0, ms.int32))
         ops.assign(self._items, Tensor(0, ms.int64))
         return self._micro_step == 0
 
-    def _check_call(self, grads: Sequence[Tensor], n_items: Any) -> None:
-        # Only constants are tested (types, dtypes, lengths, Python ints): inside a graph they
-        # fail the compile, and a raise on a tensor's value would break the compiled graph.
-        if len(grads) != len(self._grads):
-            raise ValueError(f"grads holds {len(grads)} tensors for the optimizer's "
-                             f"{len(self._grads)} parameters")
-        if n_items is None:
-            if self.weighting == "items":
-                raise ValueError("n_items=None: this Accumulator has weighting='items', so every "
-                                 "micro-batch must pass its n_items")
-        elif self.weighting == "mean":
-            raise ValueError("n_items was given to an Accumulator with weighting='mean'; build it "
-                             "with weighting='items' to weight micro-batches by their items")
-        elif isinstance(n_items, (bool, float)):
-            raise TypeError(f"n_items must be an integer count, got {n_items!r}")
-        elif isinstance(n_items, int):
-            if n_items < 1:
-                raise ValueError(f"n_items must be >= 1, got {n_items!r}")
-        elif not isinstance(n_items, Tensor):
-            raise TypeError("n_items must be an int or an integer Tensor")
-        elif n_items.dtype not in _INT_DTYPES:
-            raise TypeError(f"n_items must be an integer count, got a {n_items.dtype} Tensor")
-        elif n_items.size != 1:
-            raise ValueError(f"n_items must be a scalar, got a Tensor of shape {n_items.shape}")
+    def _add(self, grads: Sequence[Tensor]) -> Any:
+        # Both branches return their assigns' results: a graph branch whose result goes nowhere
+        # is dropped, side effects included.
+        if self._micro_step == 0:
+            done = self._map(buffers.set_, self._grads, grads)
+        else:
+            done = self._map(buffers.add_, self._grads, grads)
+        return done
+
+    def _add_weighted(self, grads: Sequence[Tensor], count: Tensor) -> Any:
+        if self._micro_step == 0:
+            done = self._map(ops.partial(buffers.set_weighted_, count), self._grads, grads)
+        else:
+            done = self._map(ops.partial(buffers.add_weighted_, count), self._grads, grads)
+        return done
 
     def _apply(self) -> Tensor:
         if self.weighting == "items":
@@ -225,12 +182,11 @@ class Accumulator:
         if self.clip_norm is not None:
             # The norm of the normalized gradient is factor x the buffer's; one scaling pass
             # applies both, with the coefficient torch's clip_grad_norm_ uses.
-            norm = ops.sqrt(ops.addn(self._map(_square_sum, self._grads))) * factor
+            norm = ops.sqrt(ops.addn(self._map(buffers.square_sum, self._grads))) * factor
             ops.assign(self._grad_norm, norm)
             factor = factor * ops.minimum(self.clip_norm / (norm + 1e-6), 1.0)
-        self._map(ops.partial(_scale_, factor), self._grads)
+        self._map(ops.partial(buffers.scale_, factor), self._grads)
         self.optimizer(self._grads)
-        self._map(_zero_, self._grads)
         ops.assign_add(self._optimizer_steps, Tensor(1, ms.int64))
         ops.assign(self._micro_step, Tensor(0, ms.int32))
         ops.assign(self._items, Tensor(0, ms.int64))

@@ -41,7 +41,10 @@ def pack(window: Window, steps: Any, optimizer_steps: int, epoch: int,
         "skipped_windows": 0,
         "epoch": epoch,
         "param_signature": param_signature(buffers),
-        "grads": [np.array(b.asnumpy(), copy=True) for b in buffers],
+        # An empty window's buffer holds the last window's values (the next micro-batch
+        # overwrites them): save zeros, what the window holds.
+        "grads": [np.zeros(b.shape, b.asnumpy().dtype) if window.empty
+                  else np.array(b.asnumpy(), copy=True) for b in buffers],
     }
 
 
