@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
-import torch
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.errors import check_nonneg_int
 from gradaccum.torch.grads import grads_of, scale_and_clip_
