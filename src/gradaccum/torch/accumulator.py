@@ -20,7 +20,7 @@ from gradaccum.torch.state import (
     restore_grads,
     snapshot_grads,
 )
-from gradaccum.torch.sync import GradSync, make_sync
+from gradaccum.torch.sync import GradSync, SyncMode, make_sync
 from gradaccum.torch.validate import check_items, check_loss, check_parts
 
 __all__ = ["Accumulator", "MicroBatch"]
@@ -38,16 +38,21 @@ class Accumulator:
 
     Normalization: without ``n_items`` the window's gradient is the mean of its micro-batch
     gradients (a flushed window of r micro-batches is the mean over r); with ``n_items`` on every
-    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP.
+    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP
+    and FSDP2 (every rank must feed the same number of micro-batches per window).
 
     Args:
         optimizer: the ``torch.optim.Optimizer`` to step once per window.
         steps: micro-batches per window: an int, or a schedule (a mapping ``{optimizer_step: N}``,
             a callable, or a :class:`gradaccum.Schedule`) read when each window opens.
-        model: the model; a ``DistributedDataParallel`` module gets one gradient sync per window.
+        model: the model the forward runs through; a ``DistributedDataParallel`` or FSDP2
+            (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         scheduler: an LR scheduler, stepped once per optimizer step.
         scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
+        sync: when a distributed ``model`` reduces gradients: ``"window"`` (once per window, on
+            its last backward) or ``"micro_batch"`` (every backward; FSDP2 then holds only
+            sharded gradients). No effect on a single process.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -71,6 +76,7 @@ class Accumulator:
         clip_norm: float | None = None,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        sync: SyncMode = "window",
     ) -> None:
         schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
@@ -81,7 +87,7 @@ class Accumulator:
         self.scaler = scaler
         self.schedule: Schedule = schedule
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._sync: GradSync = make_sync(model)
+        self._sync: GradSync = make_sync(model, sync)
         self._hooks: dict[int, BoundaryHook] = {}
         self.optimizer_steps = 0
         self.skipped_windows = 0
@@ -106,6 +112,15 @@ class Accumulator:
     def windows(self) -> int:
         """Windows applied so far: optimizer steps plus windows skipped for non-finite grads."""
         return self.optimizer_steps + self.skipped_windows
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the window's gradients are averaged over (1 without DDP/FSDP2).
+
+        Check a configuration with
+        ``gradaccum.check_batch_sizes(global_batch, micro_batch, acc.steps, acc.world_size)``.
+        """
+        return self._sync.world_size
 
     # ------------------------------------------------------------------ feeding
     def backward(self, loss: torch.Tensor, n_items: Any = None) -> bool:
@@ -156,18 +171,26 @@ class Accumulator:
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
 
+        Under DDP or FSDP2 (``sync="window"``) every rank must call it: it reduces the window's
+        gradients itself, since none of its backwards did.
+
         Returns:
             True when the optimizer stepped; False when nothing was pending (or the window was
             skipped for non-finite gradients).
+
+        Raises:
+            ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
+                every rank, before anything changes).
         """
+        self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
             return False
-        self._sync.sync_partial(self._params)
         return self._apply()
 
     def discard(self) -> None:
         """Drop the partial window: gradients set to None, counters back to the window's start."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._sync.discard()
         self._loss_sum = None
         self._open_window()
 
@@ -255,7 +278,13 @@ class Accumulator:
         Returns:
             A dict of counters, the window (size, micro-step, weighting, item total), the loss
             sum and copies of the partial gradients. Save it beside the model's and optimizer's.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
+                live unsharded inside FSDP2, out of reach (save at ``micro_step == 0``).
         """
+        if not self._window.empty:
+            self._sync.check_saveable()
         items = self._window.items
         return {
             "version": FORMAT_VERSION,
