@@ -11,7 +11,7 @@ from gradaccum.core.errors import (
     check_positive_int,
 )
 from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.core.schedule import Schedule, as_schedule
+from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
 from gradaccum.core.window import Weighting, Window
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "check_positive_float",
     "check_positive_int",
     "lr_scale",
+    "parse_schedule",
     "resolve_batch_sizes",
     "split_sizes",
 ]

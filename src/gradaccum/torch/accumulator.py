@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,9 +11,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.errors import check_nonneg_int
-from gradaccum.torch.grads import grads_of, scale_and_clip_
-from gradaccum.torch.precision import active_scaler, scaler_found_inf
+from gradaccum.core.errors import check_nonneg_int, check_positive_int
+from gradaccum.torch.grads import scale_and_clip_
+from gradaccum.torch.precision import Precision
 from gradaccum.torch.state import (
     FORMAT_VERSION,
     check_state,
@@ -49,10 +50,21 @@ class Accumulator:
             (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         scheduler: an LR scheduler, stepped once per optimizer step.
-        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
+        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`. Each
+            micro-batch's backward is scaled; the window's gradients are unscaled once, at the
+            boundary; a window with an inf or NaN gradient is skipped whole (see below).
+        accum_dtype: ``torch.float32`` to sum the gradients of bf16/fp16 parameters in float32
+            buffers (one per such parameter, allocated on first use), normalized and clipped in
+            float32 and cast into ``.grad`` once per window. Not under DDP/FSDP (ValueError).
+        skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN (one
+            foreach norm pass per window, none when ``clip_norm`` already computes it).
         sync: when a distributed ``model`` reduces gradients: ``"window"`` (once per window, on
             its last backward) or ``"micro_batch"`` (every backward; FSDP2 then holds only
             sharded gradients). No effect on a single process.
+
+    A skipped window (scaler found an inf, or ``skip_nonfinite``) leaves the parameters and the
+    optimizer untouched, does not step the scheduler, clears the gradients, adds one to
+    :attr:`skipped_windows` (not to :attr:`optimizer_steps`) and makes :meth:`backward` return False.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -67,6 +79,8 @@ class Accumulator:
         [False, True, False, True]
     """
 
+    _window: Window
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -76,25 +90,31 @@ class Accumulator:
         clip_norm: float | None = None,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        accum_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
         sync: SyncMode = "window",
     ) -> None:
         schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
+                                    skip_nonfinite=skip_nonfinite, model=model)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
         self.optimizer = optimizer
         self.model = model
         self.scheduler = scheduler
         self.scaler = scaler
         self.schedule: Schedule = schedule
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._params = params
         self._sync: GradSync = make_sync(model, sync)
-        self._hooks: dict[int, BoundaryHook] = {}
+        # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
+        self._hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
         self.window_loss: torch.Tensor | None = None
         self.grad_norm: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []  # scaled micro-batch losses, summed at the boundary
         self._open_window()
 
     # ------------------------------------------------------------------ counters
@@ -191,14 +211,41 @@ class Accumulator:
         """Drop the partial window: gradients set to None, counters back to the window's start."""
         self.optimizer.zero_grad(set_to_none=True)
         self._sync.discard()
-        self._loss_sum = None
+        self._precision.clear()
+        self._losses = []
         self._open_window()
 
     def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch schedule the epoch; an empty window takes the new N at once."""
+        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
+
+        Call it before the epoch's first micro-batch. An empty window takes the new N at once; a
+        window carried over from the previous epoch keeps its N until its boundary.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an integer >= 0.
+        """
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
             self._open_window()
+
+    def resize_window(self, steps: int) -> None:
+        """Give the current, empty window another size: ``steps`` micro-batches complete it.
+
+        For a caller that learns a window's size only when its data arrives, such as
+        :class:`gradaccum.AutoBatch` (one global batch split into ``steps`` micro-batches). Under
+        DDP the last of them still carries the window's single gradient sync. The schedule is
+        read again when the next window opens.
+
+        Raises:
+            TypeError, ValueError: ``steps`` is not an integer >= 1, or the window already holds
+                micro-batches; nothing changes then.
+        """
+        n = check_positive_int("steps", steps)
+        if not self._window.empty:
+            raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
+                             f"{self.micro_step} of {self.steps} micro-batches")
+        self._window = self._window.resized(n)
+        self._sync.prepare(self._window.next_is_last)
 
     def register_boundary_hook(self, hook: BoundaryHook) -> RemovableHandle:
         """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
@@ -215,17 +262,16 @@ class Accumulator:
         return self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
 
     def _open_window(self) -> None:
-        self._window = Window(self.schedule(self._schedule_count()))
+        self._window = Window.open(self.schedule(self._schedule_count()))
         self._sync.prepare(self._window.next_is_last)
 
     def _backward(self, loss: torch.Tensor, n: Any) -> None:
         check_loss(loss)
         factor = self._window.loss_factor(n)
         scaled = loss if isinstance(factor, float) and factor == 1.0 else loss * factor
-        scaler = active_scaler(self.scaler)
-        (scaled if scaler is None else scaler.scale(scaled)).backward()
-        done = scaled.detach()
-        self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
+        self._precision.backward(scaled)
+        # Kept as a list (an append, no tensor op per micro-step); summed at the boundary.
+        self._losses.append(scaled.detach())
 
     def _end_micro_batch(self, n: Any) -> bool:
         self._window = self._window.advance(n)
@@ -241,13 +287,11 @@ class Accumulator:
         items = window.items if window.weighting == "items" else None
         if isinstance(items, torch.Tensor):
             items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
-        loss_sum, items = self._sync.reduce_window(self._loss_sum, items)
-        scaler = active_scaler(self.scaler)
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
+        loss_sum, items = self._sync.reduce_window(self._loss_sum(), items)
+        grads = self._precision.window_grads()
         factor = window.grad_factor(items)
-        self.grad_norm = scale_and_clip_(grads_of(self._params), factor, self.clip_norm)
-        stepped = self._step(scaler)
+        norm = scale_and_clip_(grads, factor, self.clip_norm)
+        stepped, self.grad_norm = self._precision.step(grads, norm)
         if stepped:
             self.optimizer_steps += 1
             if self.scheduler is not None:
@@ -255,21 +299,21 @@ class Accumulator:
         else:
             self.skipped_windows += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._precision.clear()
         self.window_loss = None if loss_sum is None else loss_sum * factor
-        self._loss_sum = None
+        self._losses = []
+        # Emptied before the hooks and the schedule run: should either raise, the applied window
+        # must not be applied a second time by the next micro-batch.
+        self._window = Window(window.size)
         for hook in list(self._hooks.values()):
             hook(self)
         self._open_window()
         return stepped
 
-    def _step(self, scaler: torch.amp.GradScaler | None) -> bool:
-        if scaler is None:
-            self.optimizer.step()
-            return True
-        found_inf = scaler_found_inf(scaler, self.optimizer)
-        scaler.step(self.optimizer)
-        scaler.update()
-        return not found_inf
+    def _loss_sum(self) -> torch.Tensor | None:
+        if not self._losses:
+            return None
+        return self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -277,7 +321,8 @@ class Accumulator:
 
         Returns:
             A dict of counters, the window (size, micro-step, weighting, item total), the loss
-            sum and copies of the partial gradients. Save it beside the model's and optimizer's.
+            sum and copies of the partial gradients (and of the float32 buffers under
+            ``accum_dtype``). Save it beside the model's and optimizer's.
 
         Raises:
             RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
@@ -298,9 +343,10 @@ class Accumulator:
             "optimizer_steps": self.optimizer_steps,
             "skipped_windows": self.skipped_windows,
             "epoch": self.epoch,
-            "loss_sum": None if self._loss_sum is None else self._loss_sum.clone(),
+            "loss_sum": None if (loss_sum := self._loss_sum()) is None else loss_sum.clone(),
             "param_signature": param_signature(self._params),
             "grads": snapshot_grads(self._params),
+            "accum": self._precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -311,13 +357,15 @@ class Accumulator:
                 ``steps`` or other parameters; nothing is changed then.
         """
         check_state(state, self.schedule.describe(), self._params)
+        self._precision.check_state(state.get("accum"))
         w = state["window"]
-        window = Window(w["size"], w["micro_step"], w["weighting"], w["items"])
+        window = Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
         restore_grads(self._params, state["grads"])
+        self._precision.load_state_dict(state.get("accum"))
         self.optimizer_steps = state["optimizer_steps"]
         self.skipped_windows = state["skipped_windows"]
         self.epoch = state["epoch"]
-        self._loss_sum = state["loss_sum"]
+        self._losses = [] if state["loss_sum"] is None else [state["loss_sum"]]
         self._window = window
         self._sync.prepare(window.next_is_last)
 
