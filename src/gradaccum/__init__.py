@@ -14,8 +14,25 @@ Example:
     1
 """
 
-from gradaccum.core import Schedule, check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.torch import Accumulator, MicroBatch
+from gradaccum.core import (
+    Schedule,
+    check_batch_sizes,
+    lr_scale,
+    resolve_batch_sizes,
+    scaled_momentum,
+    split_sizes,
+)
+from gradaccum.torch import (
+    Accumulator,
+    MicroBatch,
+    WindowBatchNorm,
+    restore_batchnorm,
+    restore_momentum_,
+    scale_momentum_,
+    to_groupnorm,
+    to_window_batchnorm,
+    window_batchnorm,
+)
 
 __version__ = "0.1.0"
 
@@ -23,9 +40,17 @@ __all__ = [
     "Accumulator",
     "MicroBatch",
     "Schedule",
+    "WindowBatchNorm",
     "__version__",
     "check_batch_sizes",
     "lr_scale",
     "resolve_batch_sizes",
+    "restore_batchnorm",
+    "restore_momentum_",
+    "scale_momentum_",
+    "scaled_momentum",
     "split_sizes",
+    "to_groupnorm",
+    "to_window_batchnorm",
+    "window_batchnorm",
 ]
