@@ -3,9 +3,10 @@
 import itertools
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import (
     assert_params_close,
     bitwise_equal,
@@ -16,7 +17,6 @@ from reference import (
     reference_steps,
     snapshot,
 )
-from torch import nn
 
 WINDOWS = 5
 MICRO = 4  # items per micro-batch

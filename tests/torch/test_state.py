@@ -3,11 +3,11 @@
 import io
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import data, mlp
-from torch import nn
 
 MICRO = 4
 

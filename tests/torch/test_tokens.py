@@ -1,11 +1,11 @@
 """Token-weighted losses over padded sequences: the window is the mean over its real tokens."""
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import assert_params_close, clone_model
-from torch import nn
 
 VOCAB, PAD = 11, -100
 

@@ -1,11 +1,11 @@
 """Bad input: a clear error naming the argument and its value, before any state changes."""
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from reference import data, mlp
-from torch import nn
 
 
 def fresh(steps=2, **kwargs):

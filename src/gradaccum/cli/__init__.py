@@ -1,8 +1,8 @@
 """The ``gradaccum`` command line: one small module per command.
 
 Each command module exposes ``add_parser(subparsers)``, which registers its parser and sets
-``func`` (called with the parsed arguments, returning the exit code). Command modules are
-imported only when they run, so ``gradaccum --help`` stays fast.
+``func`` (called with the parsed arguments, returning the exit code). Command modules import
+their heavy parts inside ``func``, so building the parser stays cheap.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 # name -> (module, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("gradaccum.cli.train", "run the seed experiment (MNIST) through the Accumulator"),
+    "compare": ("gradaccum.cli.compare", "run the seed experiment at several micro x steps settings"),
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
 }
 

@@ -17,6 +17,7 @@ def describe_machine() -> dict[str, str]:
         True
     """
     import torch
+
     from gradaccum import __version__
 
     return {

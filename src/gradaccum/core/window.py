@@ -18,7 +18,7 @@ adds and divides them, so no value is read back to the host on a micro-step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from gradaccum.core.errors import check_positive_int
@@ -40,7 +40,7 @@ class Window:
         items: running total of ``n_items`` (item weighting only); an int or a framework scalar.
 
     Example:
-        >>> w = Window(size=2)
+        >>> w = Window.open(2)
         >>> w.loss_factor(None)
         0.5
         >>> w = w.advance(None)
@@ -55,8 +55,14 @@ class Window:
     weighting: Weighting | None = None
     items: Any = 0
 
-    def __post_init__(self) -> None:
-        check_positive_int("steps", self.size)
+    @classmethod
+    def open(cls, size: int) -> Window:
+        """An empty window of ``size`` micro-batches.
+
+        Raises:
+            TypeError, ValueError: ``size`` is not an integer >= 1 (the message names ``steps``).
+        """
+        return cls(check_positive_int("steps", size))
 
     @property
     def empty(self) -> bool:
@@ -102,7 +108,9 @@ class Window:
         """Return the window after one more micro-batch (validated by :meth:`weighting_for`)."""
         weighting = self.weighting_for(n_items)
         items = self.items if n_items is None else self.items + n_items
-        return replace(self, micro_step=self.micro_step + 1, weighting=weighting, items=items)
+        # A plain constructor call (no validation, no dataclasses.replace): this runs on every
+        # micro-step.
+        return Window(self.size, self.micro_step + 1, weighting, items)
 
     def grad_factor(self, items: Any = None) -> Any:
         """Factor that turns the accumulated gradient into the window's gradient.
@@ -137,4 +145,4 @@ class Window:
                 f"steps can change only at a window boundary: the window holds "
                 f"{self.micro_step} of {self.size} micro-batches, new steps={size!r}"
             )
-        return Window(size=size)
+        return Window.open(size)

@@ -29,6 +29,7 @@ class TrainConfig:
         limit_train, limit_test: use only the first items (tests, smoke runs).
         precision: ``"fp32"`` or ``"bf16"`` (autocast).
         backend: ``"torch"`` or ``"mindspore"``.
+        device: where the torch backend trains (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         log_every: print the seed's ``loss: x  [i/size]`` line every this many micro-batches.
         progress: show a progress bar.
         out: a folder for ``metrics.jsonl``, ``summary.json`` and ``curves.png``.
@@ -48,6 +49,7 @@ class TrainConfig:
     limit_test: int | None = None
     precision: Literal["fp32", "bf16"] = "fp32"
     backend: Literal["torch", "mindspore"] = "torch"
+    device: str = "cpu"
     log_every: int = 100
     progress: bool = True
     out: Path | None = None

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
-import torch
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.errors import check_nonneg_int
 from gradaccum.torch.grads import grads_of, scale_and_clip_
@@ -91,7 +91,8 @@ class Accumulator:
         self.epoch = 0
         self.window_loss: torch.Tensor | None = None
         self.grad_norm: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []  # scaled micro-batch losses, summed at the boundary
+        self._scaler = active_scaler(scaler)
         self._open_window()
 
     # ------------------------------------------------------------------ counters
@@ -174,7 +175,7 @@ class Accumulator:
         Then calls the hooks of :meth:`register_discard_hook` (window state kept outside).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        self._loss_sum = None
+        self._losses = []
         self._open_window()
         for hook in list(self._discard_hooks.values()):
             hook(self)
@@ -213,17 +214,16 @@ class Accumulator:
         return self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
 
     def _open_window(self) -> None:
-        self._window = Window(self.schedule(self._schedule_count()))
+        self._window = Window.open(self.schedule(self._schedule_count()))
         self._sync.prepare(self._window.next_is_last)
 
     def _backward(self, loss: torch.Tensor, n: Any) -> None:
         check_loss(loss)
         factor = self._window.loss_factor(n)
         scaled = loss if isinstance(factor, float) and factor == 1.0 else loss * factor
-        scaler = active_scaler(self.scaler)
-        (scaled if scaler is None else scaler.scale(scaled)).backward()
-        done = scaled.detach()
-        self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
+        (scaled if self._scaler is None else self._scaler.scale(scaled)).backward()
+        # Kept as a list (an append, no tensor op per micro-step); summed at the boundary.
+        self._losses.append(scaled.detach())
 
     def _end_micro_batch(self, n: Any) -> bool:
         self._window = self._window.advance(n)
@@ -239,8 +239,8 @@ class Accumulator:
         items = window.items if window.weighting == "items" else None
         if isinstance(items, torch.Tensor):
             items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
-        loss_sum, items = self._sync.reduce_window(self._loss_sum, items)
-        scaler = active_scaler(self.scaler)
+        loss_sum, items = self._sync.reduce_window(self._loss_sum(), items)
+        scaler = self._scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         factor = window.grad_factor(items)
@@ -254,11 +254,16 @@ class Accumulator:
             self.skipped_windows += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.window_loss = None if loss_sum is None else loss_sum * factor
-        self._loss_sum = None
+        self._losses = []
         for hook in list(self._hooks.values()):
             hook(self)
         self._open_window()
         return stepped
+
+    def _loss_sum(self) -> torch.Tensor | None:
+        if not self._losses:
+            return None
+        return self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
 
     def _step(self, scaler: torch.amp.GradScaler | None) -> bool:
         if scaler is None:
@@ -290,7 +295,7 @@ class Accumulator:
             "optimizer_steps": self.optimizer_steps,
             "skipped_windows": self.skipped_windows,
             "epoch": self.epoch,
-            "loss_sum": None if self._loss_sum is None else self._loss_sum.clone(),
+            "loss_sum": None if (loss_sum := self._loss_sum()) is None else loss_sum.clone(),
             "param_signature": param_signature(self._params),
             "grads": snapshot_grads(self._params),
         }
@@ -304,12 +309,12 @@ class Accumulator:
         """
         check_state(state, self.schedule.describe(), self._params)
         w = state["window"]
-        window = Window(w["size"], w["micro_step"], w["weighting"], w["items"])
+        window = Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
         restore_grads(self._params, state["grads"])
         self.optimizer_steps = state["optimizer_steps"]
         self.skipped_windows = state["skipped_windows"]
         self.epoch = state["epoch"]
-        self._loss_sum = state["loss_sum"]
+        self._losses = [] if state["loss_sum"] is None else [state["loss_sum"]]
         self._window = window
         self._sync.prepare(window.next_is_last)
 

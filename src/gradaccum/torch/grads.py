@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from torch.nn.utils import get_total_norm
-
 import torch
+from torch.nn.utils import get_total_norm
 
 __all__ = ["grads_of", "scale_and_clip_", "scale_grads_"]
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-
-import torch
 
 __all__ = ["DDPSync", "GradSync", "LocalSync", "make_sync"]
 

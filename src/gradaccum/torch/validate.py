@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from gradaccum.core.errors import check_positive_int
 
 __all__ = ["check_items", "check_loss", "check_parts"]

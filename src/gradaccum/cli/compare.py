@@ -1,0 +1,124 @@
+"""``gradaccum compare``: the seed experiment at several micro-batch x steps settings, side by side.
+
+Each setting runs in its own process (``gradaccum train``), with the same seed and data order, so
+its time and peak memory are its own. The table shows accuracy and average test loss per epoch,
+the largest parameter difference against the first setting, time and peak memory; a PNG overlays
+the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gradaccum.cli.train import add_experiment_arguments
+
+__all__ = ["add_parser", "format_table", "parse_settings"]
+
+DEFAULT_SETTINGS = "64x1,32x2,8x8"
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """Parse ``"64x1,32x2"`` into ``[(64, 1), (32, 2)]``.
+
+    Raises:
+        ValueError: an entry is not ``MICROxSTEPS`` with positive integers.
+
+    Example:
+        >>> parse_settings("64x1, 8x8")
+        [(64, 1), (8, 8)]
+    """
+    settings = []
+    for entry in text.split(","):
+        micro, sep, steps = entry.strip().partition("x")
+        if not (sep and micro.isdigit() and steps.isdigit() and int(micro) > 0 and int(steps) > 0):
+            raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
+        settings.append((int(micro), int(steps)))
+    return settings
+
+
+def _experiment_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """Turn the parsed experiment options back into ``train`` arguments (non-defaults only)."""
+    argv: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(f"--{'' if value else 'no-'}{action.dest.replace('_', '-')}")
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def _max_param_diff(a: Path, b: Path) -> float:
+    import numpy as np
+
+    with np.load(a) as pa, np.load(b) as pb:
+        return max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa.files)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of compare's rows (one per setting)."""
+    epochs = len(rows[0]["epochs"])
+    head = ["setting"] + [f"epoch {e} acc / loss" for e in range(1, epochs + 1)]
+    head += [f"max abs param diff vs {rows[0]['setting']}", "time (s)", "peak RSS (MB)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["setting"]]
+        cells += [f"{e['test_accuracy']:.1f}% / {e['test_loss']:.4f}" for e in row["epochs"]]
+        cells += [f"{row['max_param_diff']:.2e}", f"{row['seconds']:.1f}",
+                  f"{row['peak_memory_bytes'] / 2**20:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gradaccum.demos.metrics import plot_runs, read_metrics
+
+    try:
+        settings = parse_settings(args.settings)
+    except ValueError as err:
+        args.parser.error(str(err))
+    out: Path = args.out
+    rows: list[dict[str, Any]] = []
+    for micro, steps in settings:
+        label, run_dir = f"{micro}x{steps}", out / f"{micro}x{steps}"
+        print(f"\n=== {label}: micro-batch {micro} x steps {steps} ===", flush=True)
+        cmd = [sys.executable, "-m", "gradaccum", "train", "--micro-batch", str(micro),
+               "--steps", str(steps), "--out", str(run_dir),
+               *_experiment_argv(args, args.experiment_actions)]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            print(f"gradaccum compare: the {label} run failed", file=sys.stderr)
+            return 1
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rows.append({"setting": label, "epochs": summary["epochs"], "seconds": summary["seconds"],
+                     "peak_memory_bytes": max(e["peak_memory_bytes"] for e in summary["epochs"]),
+                     "max_param_diff": _max_param_diff(out / rows[0]["setting"] / "params.npz"
+                                                       if rows else run_dir / "params.npz",
+                                                       run_dir / "params.npz")})
+    table = format_table(rows)
+    print("\n" + table)
+    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "compare.md").write_text(table + "\n")
+    png = plot_runs([(r["setting"], read_metrics(out / r["setting"] / "metrics.jsonl")) for r in rows],
+                    out / "compare.png", title=f"gradaccum compare: {args.model}, same seed and data order")
+    print(f"\nTable: {out / 'compare.md'}   plot: {png}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``compare``."""
+    p = sub.add_parser("compare", help="run the seed experiment at several micro x steps settings",
+                       description="Run the seed experiment for several micro-batch x steps settings "
+                                   "with the same seed and data order, and print them side by side.")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS,
+                   help=f"comma-separated MICROxSTEPS (default {DEFAULT_SETTINGS})")
+    p.add_argument("--out", type=Path, default=Path("runs/compare"),
+                   help="folder for each run's outputs, compare.md/json and compare.png")
+    actions = add_experiment_arguments(p)
+    p.set_defaults(func=_run, parser=p, experiment_actions=actions)

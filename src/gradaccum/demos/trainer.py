@@ -1,0 +1,164 @@
+"""The seed experiment on PyTorch: MNIST through a :class:`gradaccum.Accumulator`."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
+from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
+from gradaccum.demos.mnist import mnist_tensors
+from gradaccum.demos.models import build_model
+from gradaccum.torch import Accumulator
+
+__all__ = ["evaluate", "make_optimizer", "run_torch"]
+
+Log = Callable[[str], None]
+
+
+def make_optimizer(name: str, params: object, lr: float) -> torch.optim.Optimizer:
+    """``sgd`` (the seed's), ``momentum`` (SGD, 0.9), ``adam`` or ``adamw``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "sgd": lambda: torch.optim.SGD(params, lr=lr),  # type: ignore[arg-type]
+        "momentum": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),  # type: ignore[arg-type]
+        "adam": lambda: torch.optim.Adam(params, lr=lr),  # type: ignore[arg-type]
+        "adamw": lambda: torch.optim.AdamW(params, lr=lr),  # type: ignore[arg-type]
+    }
+    if name not in factories:
+        raise ValueError(f"optimizer must be one of {sorted(factories)}, got {name!r}")
+    return factories[name]()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[float, float]:
+    """Test accuracy (percent) and mean cross-entropy over every test item."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for xb, yb in zip(torch.split(x, batch), torch.split(y, batch), strict=True):
+        out = model(xb)
+        loss_sum += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return 100.0 * correct / len(x), loss_sum / len(x)
+
+
+@dataclass
+class _Run:
+    """Everything one run holds while it trains."""
+
+    config: TrainConfig
+    model: nn.Module
+    acc: Accumulator
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    device: torch.device
+    writer: MetricsWriter
+    log: Log
+    weighted: bool  # the data does not split into equal micro-batches: weight by items
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
+def _setup(config: TrainConfig, log: Log) -> _Run:
+    device = torch.device(config.device)
+    model = build_model(config.model, config.init, seed=config.seed).to(device)
+    x, y = mnist_tensors("train", config.data_dir, config.limit_train)
+    x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
+    opt = make_optimizer(config.optimizer, model.parameters(), config.lr)
+    acc = Accumulator(opt, config.steps, model=model)
+    return _Run(config, model, acc, x.to(device), y.to(device), x_test.to(device),
+                y_test.to(device), device, MetricsWriter(config.out), log,
+                weighted=len(x) % config.micro_batch != 0)
+
+
+def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
+    """One pass over the shuffled training set. Returns (the window losses, seconds)."""
+    cfg, acc, model = run.config, run.acc, run.model
+    n, micro = len(run.x), cfg.micro_batch
+    size = math.ceil(n / micro)
+    # The order depends on the seed and epoch only, so every micro x steps setting sees the same
+    # items in the same order: a window of 32x2 holds exactly the items of one batch of 64.
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+    order = order.to(run.device)
+    # Window losses stay on the device until the epoch ends: no host sync per window.
+    losses: list[torch.Tensor] = []
+    samples: list[int] = []
+    bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not cfg.progress, leave=False,
+               unit="mb", mininterval=0.5)
+    write = bar.write if cfg.progress else run.log
+    start = time.perf_counter()
+    for i in range(size):
+        idx = order[i * micro:(i + 1) * micro]
+        loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
+        acc.backward(loss, n_items=len(idx) if run.weighted else None)
+        if acc.micro_step == 0 and acc.window_loss is not None:  # a window was applied
+            losses.append(acc.window_loss)
+            samples.append(min(n, (i + 1) * micro))
+        if i % cfg.log_every == 0:
+            shown = float(losses[-1] if losses else loss.detach())
+            write(f"loss: {shown:>7f}  [{i:>3d}/{size:>3d}]")
+            bar.set_postfix(loss=f"{shown:.4f}", mem=f"{_peak_memory(run.device) / 2**20:.0f}MB",
+                            refresh=False)
+        bar.update(1)
+    if cfg.end_of_epoch == "flush" and acc.flush() and acc.window_loss is not None:
+        losses.append(acc.window_loss)
+        samples.append(n)
+    seconds = time.perf_counter() - start
+    bar.close()
+    values = torch.stack(losses).tolist() if losses else []
+    run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n + k for k in samples], losses=values)
+    return values, seconds
+
+
+def run_torch(config: TrainConfig, log: Log = print) -> RunResult:
+    """Run the seed experiment on PyTorch.
+
+    Prints the seed's lines (``loss: x  [i/size]`` every ``log_every`` micro-batches, showing the
+    last window's loss, and ``Test: Accuracy: x%, Avg loss: y`` per epoch), writes
+    ``metrics.jsonl`` into ``config.out`` when given, and returns the per-epoch results.
+
+    Args:
+        config: the settings.
+        log: where the lines go.
+
+    Returns:
+        The run's results, with the final parameters as numpy arrays.
+    """
+    run = _setup(config, log)
+    result = RunResult(config)
+    start = time.perf_counter()
+    try:
+        for epoch in range(1, config.epochs + 1):
+            log(f"Epoch {epoch}\n-------------------------------")
+            window_losses, seconds = _train_epoch(run, epoch)
+            accuracy, test_loss = evaluate(run.model, run.x_test, run.y_test)
+            log(f"Test: Accuracy: {accuracy:>0.1f}%, Avg loss: {test_loss:>8f}\n")
+            epoch_result = EpochResult(
+                epoch=epoch, test_accuracy=accuracy, test_loss=test_loss,
+                train_loss=sum(window_losses) / max(len(window_losses), 1),
+                optimizer_steps=run.acc.optimizer_steps, seconds=seconds,
+                samples_per_s=len(run.x) / seconds, peak_memory_bytes=_peak_memory(run.device),
+                skipped_windows=run.acc.skipped_windows)
+            result.epochs.append(epoch_result)
+            run.writer.epoch(epoch_result)
+    finally:
+        run.writer.close()
+    result.seconds = time.perf_counter() - start
+    result.final_params = [p.detach().cpu().numpy() for p in run.model.parameters()]
+    return result
