@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradaccum
-import torch
-from torch import nn
 
 
 def net() -> nn.Module:

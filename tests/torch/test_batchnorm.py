@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+from torch import nn
 
 import gradaccum
-import torch
 from gradaccum import Accumulator, WindowBatchNorm
 from gradaccum.demos.models import build_model
 from reference import bitwise_equal, snapshot
-from torch import nn
 
 F64 = torch.float64
 STAT_TOL = {"atol": 1e-10, "rtol": 0.0}

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
-from gradaccum.demos.models import build_model
+from gradaccum.demos.models import apply_bn_mode, build_model
 from gradaccum.torch import Accumulator
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
@@ -82,6 +82,7 @@ def _setup(config: TrainConfig, log: Log) -> _Run:
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
     opt = make_optimizer(config.optimizer, model.parameters(), config.lr)
     acc = Accumulator(opt, config.steps, model=model)
+    model = apply_bn_mode(model, config.bn, acc)
     return _Run(config, model, acc, x.to(device), y.to(device), x_test.to(device),
                 y_test.to(device), device, MetricsWriter(config.out), log,
                 weighted=len(x) % config.micro_batch != 0)

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import UninitializedParameter
 
 from gradaccum.core.errors import check_positive_int
 from gradaccum.core.momentum import check_momentum_rule, scaled_momentum
-from torch import nn
 
 __all__ = [
     "BatchNormGroupNorm",

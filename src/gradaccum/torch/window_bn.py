@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import torch
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.batchnorm import (
     ConvertedNorm,
@@ -30,7 +31,6 @@ from gradaccum.torch.batchnorm import (
     is_batchnorm,
     swap_modules,
 )
-from torch import nn
 
 __all__ = ["Moments", "WindowBatchNorm", "merge_moments", "to_window_batchnorm", "window_batchnorm"]
 
