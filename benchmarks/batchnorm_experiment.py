@@ -34,7 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import gradaccum
 from gradaccum.cli.info import describe_machine
 from gradaccum.demos.mnist import mnist_tensors
-from gradaccum.demos.models import build_model
+from gradaccum.demos.models import apply_bn_mode, build_model
 
 GLOBAL_BATCH = 256
 # name, micro-batch, steps, BatchNorm treatment
@@ -63,17 +63,6 @@ def rel_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def treat(model: nn.Module, bn: str, steps: int, acc: gradaccum.Accumulator | None) -> nn.Module:
-    """Apply one BatchNorm treatment (the optimizer keeps working: parameters are shared)."""
-    if bn in ("compound", "linear"):
-        gradaccum.scale_momentum_(model, steps, bn)
-    elif bn == "window":
-        model = gradaccum.window_batchnorm(model, acc) if acc else gradaccum.to_window_batchnorm(model)
-    elif bn == "groupnorm":
-        model = gradaccum.to_groupnorm(model)
-    return model
-
-
 def windows(n: int, seed: int, epoch: int) -> list[torch.Tensor]:
     """The epoch's global batches of indices: one permutation per (seed, epoch), last partial dropped."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
@@ -96,7 +85,7 @@ def train(variant: tuple[str, int, int, str], train_data: Data, test: Data, args
     model = build_model("cnn-bn", seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     acc = gradaccum.Accumulator(opt, steps)
-    model = treat(model, bn, steps, acc)
+    model = apply_bn_mode(model, bn, acc)
     x, y = train_data
     out: dict[str, Any] = {"name": name, "bn": bn, "accuracy": [], "train_loss": [], "seconds": [],
                            "trace_steps": [], "trace_mean": [], "trace_var": []}
@@ -130,7 +119,7 @@ def restimate(reference: nn.Module, train_data: Data, test: Data, args: argparse
     for name, micro, steps, bn in VARIANTS:
         if bn == "groupnorm":
             continue
-        model = treat(build_model("cnn-bn"), bn, steps, None)
+        model = apply_bn_mode(build_model("cnn-bn"), bn, None, steps=steps)
         model.load_state_dict(reference.state_dict())
         for m in model.modules():
             if isinstance(m, _BatchNorm):

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+TOOLS = [
+    ["`scale_momentum_(model, N, \"compound\")`",
+     "N updates decay the running statistics like one: `m' = 1 - (1 - m)^(1/N)`",
+     "the decay, yes; the statistics are still micro-batch ones"],
+    ["`scale_momentum_(model, N, \"linear\")`", "`m' = m / N` (Composer's ghost BatchNorm)",
+     "a first-order approximation of the compound rule"],
+    ["`window_batchnorm(model, accumulator)`",
+     "running statistics updated once per window from the pooled count, mean and squared "
+     "deviations: one forward of the whole batch (unbiased variance, `num_batches_tracked` +1 per "
+     "window, `momentum=None` too; `sync=True` pools over DDP ranks)",
+     "yes, each layer's running statistics given its inputs (tested to 1e-10 in float64)"],
+    ["`to_groupnorm(model)`", "no batch dependence at all: accumulation exact for the whole model",
+     "yes, but it is another layer: train it anew"],
+]
+
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -37,14 +52,10 @@ def render(results: dict[str, Any], png: str) -> str:
 A BatchNorm layer depends on the batch: under accumulation it sees micro-batches. In training it
 normalizes each micro-batch by the micro-batch's own mean and variance, and it updates its running
 statistics (which evaluation uses) once per micro-batch, N times per optimizer step. gradaccum offers
-three remedies, each reversible (`gradaccum.restore_batchnorm`, `gradaccum.restore_momentum_`):
+four tools, each reversible (`gradaccum.restore_batchnorm`, `gradaccum.restore_momentum_`), all
+available as `gradaccum train --bn compound|linear|window|groupnorm`:
 
-| tool | what it fixes | exact? |
-|---|---|---|
-| `scale_momentum_(model, N, "compound")` | N updates decay the running statistics like one: `m' = 1 - (1 - m)^(1/N)` | the decay, yes; the statistics are still micro-batch ones |
-| `scale_momentum_(model, N, "linear")` | `m' = m / N` (Composer's ghost BatchNorm) | first-order approximation of the compound rule |
-| `window_batchnorm(model, accumulator)` | running statistics updated once per window from the pooled count, mean and squared deviations: equal to one forward of the whole batch (unbiased variance, `num_batches_tracked` +1 per window; `momentum=None` too; `sync=True` pools over DDP ranks) | yes, the running statistics (tested to 1e-10 in float64) |
-| `to_groupnorm(model)` | no batch dependence at all: accumulation exact for the whole model | yes, but it is another layer: retrain |
+{_table(["tool", "what it fixes", "exact?"], TOOLS)}
 
 What no tool can make exact: the *training-time* normalization of each micro-batch by its own
 statistics (window BatchNorm keeps it; only GroupNorm removes it). The gradients of a 16x16 run

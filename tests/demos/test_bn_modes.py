@@ -27,7 +27,9 @@ def test_momentum_modes_use_the_accumulators_steps() -> None:
     acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.01), steps=4)
     apply_bn_mode(model, "linear", acc)
     assert model[1].momentum == pytest.approx(0.025)
-    with pytest.raises(ValueError, match="accumulator"):
+    other = apply_bn_mode(build_model("cnn-bn"), "linear", None, steps=2)
+    assert other[1].momentum == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="steps or an accumulator"):
         apply_bn_mode(build_model("cnn-bn"), "compound", None)
     with pytest.raises(ValueError, match="bn mode"):
         apply_bn_mode(build_model("cnn-bn"), "ghost", acc)

@@ -103,20 +103,22 @@ def build_model(name: str, init: str = "torch", seed: int | None = None) -> nn.M
     return mindspore_init_(model) if init == "mindspore" else model
 
 
-def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None) -> nn.Module:
+def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None = None, *,
+                  steps: int | None = None) -> nn.Module:
     """Treat the BatchNorm layers of ``model`` for accumulation, by name (see :data:`BN_MODES`).
 
-    ``plain``: unchanged; ``compound`` / ``linear``: :func:`gradaccum.scale_momentum_` for the
-    accumulator's current N; ``window``: :func:`gradaccum.window_batchnorm` (committed by the
-    accumulator; without one, :func:`gradaccum.to_window_batchnorm`, committed by the caller);
-    ``groupnorm``: :func:`gradaccum.to_groupnorm`. Parameters are shared, so an optimizer built
-    before keeps working. A model without BatchNorm is returned unchanged.
+    ``plain``: unchanged; ``compound`` / ``linear``: :func:`gradaccum.scale_momentum_` for
+    ``steps`` (default: the accumulator's current N); ``window``:
+    :func:`gradaccum.window_batchnorm`, committed by the accumulator (without one,
+    :func:`gradaccum.to_window_batchnorm`, committed by the caller); ``groupnorm``:
+    :func:`gradaccum.to_groupnorm`. Parameters are shared, so an optimizer built before keeps
+    working. A model without BatchNorm is returned unchanged.
 
     Returns:
         The model (use the returned object).
 
     Raises:
-        ValueError: an unknown mode, or a momentum mode without an accumulator.
+        ValueError: an unknown mode, or a momentum mode with neither steps nor an accumulator.
 
     Example:
         >>> type(apply_bn_mode(build_model("cnn-bn"), "groupnorm", None)[1]).__name__
@@ -125,9 +127,10 @@ def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None) 
     if mode not in BN_MODES:
         raise ValueError(f"bn mode must be one of {list(BN_MODES)}, got {mode!r}")
     if mode in ("compound", "linear"):
-        if accumulator is None:
-            raise ValueError(f"bn mode {mode!r} needs the accumulator (its steps), got None")
-        scale_momentum_(model, accumulator.steps, mode)
+        if steps is None and accumulator is None:
+            raise ValueError(f"bn mode {mode!r} needs steps or an accumulator, got neither")
+        n = steps if steps is not None else accumulator.steps  # type: ignore[union-attr]
+        scale_momentum_(model, n, mode)
     elif mode == "window":
         model = to_window_batchnorm(model) if accumulator is None else window_batchnorm(model, accumulator)
     elif mode == "groupnorm":
