@@ -162,11 +162,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = results["runs"]
+    # One colour per variant in every panel; dashes show the curves that window BN covers.
+    style = {r["name"]: {"color": f"C{i}", "linestyle": "--" if r["bn"] in ("compound", "linear") else "-"}
+             for i, r in enumerate(runs)}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for run in runs[1:]:
+    for run in sorted(runs[1:], key=lambda r: style[r["name"]]["linestyle"] == "--"):  # dashes on top
         if run["mean_distance"]:
-            axes[0].plot(run["trace_steps"], run["mean_distance"], label=run["name"])
-            axes[1].plot(run["trace_steps"], run["var_distance"], label=run["name"])
+            axes[0].plot(run["trace_steps"], run["mean_distance"], label=run["name"], **style[run["name"]])
+            axes[1].plot(run["trace_steps"], run["var_distance"], label=run["name"], **style[run["name"]])
     for ax, what in zip(axes[:2], ("running_mean", "running_var"), strict=True):
         ax.set(yscale="log", xlabel="optimizer step",
                title=f"{what}: relative distance to the 256x1 run")
@@ -174,7 +177,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     epochs = range(1, len(runs[0]["accuracy"]) + 1)
     for run in runs:
-        axes[2].plot(epochs, run["accuracy"], marker="o", label=run["name"])
+        axes[2].plot(epochs, run["accuracy"], marker="o", label=run["name"], **style[run["name"]])
     axes[2].set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy (eval mode)",
                 xticks=list(epochs))
     axes[2].grid(alpha=0.3)

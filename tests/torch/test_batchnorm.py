@@ -314,3 +314,14 @@ def test_float32_window_stats_match_the_full_batch_to_float_tolerance() -> None:
     model, inputs, _ = train_windows(model, windows, window_bn=True)
     for got, want in zip(running_stats(model), full_batch_stats(fresh, inputs, [4]), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_window_and_momentum_rules_train_the_same_weights_as_plain_batchnorm() -> None:
+    # The training forward never reads the running statistics: only evaluation differs.
+    windows = [micro_batches([4, 4]), micro_batches([4, 4], seed=2)]
+    plain, _, _ = train_windows(bn_net(), windows, window_bn=False)
+    window, _, _ = train_windows(bn_net(), windows, window_bn=True)
+    scaled = bn_net()
+    gradaccum.scale_momentum_(scaled, 2)
+    scaled, _, _ = train_windows(scaled, windows, window_bn=False)
+    assert bitwise_equal(window, snapshot(plain)) and bitwise_equal(scaled, snapshot(plain))
