@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum import Accumulator, WindowBatchNorm
+from gradaccum import Accumulator, WindowBatchNorm, scaled_momentum
 from gradaccum.cli import main
 from gradaccum.demos.config import BN_MODES
 from gradaccum.demos.models import apply_bn_mode, build_model
@@ -33,6 +33,16 @@ def test_momentum_modes_use_the_accumulators_steps() -> None:
         apply_bn_mode(build_model("cnn-bn"), "compound", None)
     with pytest.raises(ValueError, match="bn mode"):
         apply_bn_mode(build_model("cnn-bn"), "ghost", acc)
+
+
+def test_momentum_modes_follow_a_steps_schedule() -> None:
+    model = build_model("cnn-bn", seed=0)
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.01), steps={0: 2, 1: 4})
+    model = apply_bn_mode(model, "compound", acc)
+    assert model[1].momentum == pytest.approx(scaled_momentum(0.1, 2))
+    for xb in torch.randn(12, 1, 28, 28).split(4):  # a window of 2, then one micro-batch of 4
+        acc.backward(model(xb).sum())
+    assert model[1].momentum == pytest.approx(scaled_momentum(0.1, 4))
 
 
 def test_models_without_batchnorm_are_unchanged() -> None:

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("gradaccum.cli.train", "run the seed experiment (MNIST) through the Accumulator"),
     "compare": ("gradaccum.cli.compare", "run the seed experiment at several micro x steps settings"),
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
+    "check": ("gradaccum.cli.check", "is accumulation exact for a model? (full batch vs N micro-batches)"),
+    "plan": ("gradaccum.cli.plan", "predict memory per micro-batch; recommend micro-batch x steps"),
 }
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradaccum.core import lr_scale, resolve_batch_sizes
+from gradaccum.core import check_positive_int, lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
@@ -46,7 +46,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
         help="a folder with the four MNIST .gz files (default: the shipped copy)")
     add("--limit-train", type=int, default=None, help="use the first N training items")
     add("--limit-test", type=int, default=None, help="use the first N test items")
-    add("--precision", default="fp32", choices=["fp32"])
+    add("--precision", default="fp32", choices=["fp32", "bf16"],
+        help="bf16: forward under torch.autocast(bfloat16), float32 parameters; windows with a "
+             "non-finite gradient are skipped and counted (skipped_windows)")
     add("--backend", default="torch", choices=["torch"])
     add("--device", default="cpu", help="cpu, cuda, cuda:1 (torch backend)")
     add("--log-every", type=int, default=100, help="print a loss line every N micro-batches")
@@ -55,11 +57,15 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
     return actions
 
 
-def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int,
+def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | str,
                      out: Path | None) -> TrainConfig:
-    """Build a :class:`TrainConfig` from parsed experiment options and a batch split."""
+    """Build a :class:`TrainConfig` from parsed experiment options and a batch split (``steps``:
+    an int, or a schedule string such as ``"0:4,2:2"``)."""
     lr = args.lr
     if args.lr_rule != "none":
+        if isinstance(steps, str):
+            raise ValueError("--lr-rule scales to one effective batch: it needs a constant --steps, "
+                             f"not the schedule {steps!r}")
         lr = lr_scale(args.lr, args.base_batch, micro_batch * steps, rule=args.lr_rule)
     return TrainConfig(
         model=args.model, bn=args.bn, init=args.init, micro_batch=micro_batch, steps=steps, lr=lr,
@@ -91,7 +97,26 @@ def _write_outputs(result: RunResult, out: Path) -> None:
               title=f"gradaccum train: {result.config.model}, {result.config.label}")
 
 
+def _scheduled(args: argparse.Namespace) -> tuple[int, str]:
+    """The batch split under ``--steps-schedule``: the micro-batch and the schedule string."""
+    if args.steps is not None or args.global_batch is not None:
+        raise ValueError("--steps-schedule replaces --steps and --global-batch")
+    parse_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
+    micro = SEED_MICRO_BATCH if args.micro_batch is None else args.micro_batch
+    return check_positive_int("micro_batch", micro), args.steps_schedule
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.steps_schedule is not None:
+        try:
+            micro, schedule = _scheduled(args)
+            config = config_from_args(args, micro, schedule, args.out)
+        except (TypeError, ValueError) as err:
+            args.parser.error(str(err))
+        print(f"gradaccum train: {config.model}, micro-batch {micro} x steps scheduled {schedule} "
+              f"(start:N, by optimizer step), lr {config.lr:g}, {config.optimizer}, "
+              f"{config.epochs} epoch(s)")
+        return _report(run_config(config), config)
     micro, steps, global_batch = args.micro_batch, args.steps, args.global_batch
     if global_batch is None:
         micro = SEED_MICRO_BATCH if micro is None else micro
@@ -105,7 +130,10 @@ def _run(args: argparse.Namespace) -> int:
         args.parser.error(str(err))
     print(f"gradaccum train: {config.model}, micro-batch {micro} x steps {steps} = batch "
           f"{micro * steps}, lr {config.lr:g}, {config.optimizer}, {config.epochs} epoch(s)")
-    result = run_config(config)
+    return _report(run_config(config), config)
+
+
+def _report(result: RunResult, config: TrainConfig) -> int:
     last = result.epochs[-1] if result.epochs else None
     if last is not None:
         print(f"Done: {last.test_accuracy:.1f}% after {last.epoch} epoch(s), "
@@ -122,6 +150,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--micro-batch", type=int, default=None, help="items per micro-batch (default 32)")
     p.add_argument("--steps", type=int, default=None, help="micro-batches per window (default 2)")
     p.add_argument("--global-batch", type=int, default=None, help="micro-batch x steps")
+    p.add_argument("--steps-schedule", default=None, metavar="START:N,...",
+                   help="change --steps during training, at window boundaries: '0:4,2:2' is 4 "
+                        "micro-batches per window for the first 2 optimizer steps, then 2")
     add_experiment_arguments(p)
     p.add_argument("--out", type=Path, default=None,
         help="write metrics.jsonl, summary.json, params.npz and curves.png here")

@@ -108,7 +108,7 @@ def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None =
     """Treat the BatchNorm layers of ``model`` for accumulation, by name (see :data:`BN_MODES`).
 
     ``plain``: unchanged; ``compound`` / ``linear``: :func:`gradaccum.scale_momentum_` for
-    ``steps`` (default: the accumulator's current N); ``window``:
+    ``steps``, or else for the accumulator's N, followed as a schedule changes it; ``window``:
     :func:`gradaccum.window_batchnorm`, committed by the accumulator (without one,
     :func:`gradaccum.to_window_batchnorm`, committed by the caller); ``groupnorm``:
     :func:`gradaccum.to_groupnorm`. Parameters are shared, so an optimizer built before keeps
@@ -129,10 +129,28 @@ def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None =
     if mode in ("compound", "linear"):
         if steps is None and accumulator is None:
             raise ValueError(f"bn mode {mode!r} needs steps or an accumulator, got neither")
-        n = steps if steps is not None else accumulator.steps  # type: ignore[union-attr]
-        scale_momentum_(model, n, mode)
+        if steps is not None:
+            scale_momentum_(model, steps, mode)
+        else:
+            assert accumulator is not None
+            _follow_steps(model, mode, accumulator)
     elif mode == "window":
         model = to_window_batchnorm(model) if accumulator is None else window_batchnorm(model, accumulator)
     elif mode == "groupnorm":
         model = to_groupnorm(model)
     return model
+
+
+def _follow_steps(model: nn.Module, mode: str, accumulator: Accumulator) -> None:
+    """Scale the momentum for the accumulator's N now and again whenever a schedule changes it."""
+    current = [accumulator.steps]
+    scale_momentum_(model, current[0], mode)
+
+    def rescale(module: nn.Module, args: object) -> None:
+        # A forward pre-hook, since the new N is known only once the next window opens, after the
+        # boundary hooks; the check is one comparison per forward.
+        if accumulator.steps != current[0]:
+            current[0] = accumulator.steps
+            scale_momentum_(model, current[0], mode)
+
+    model.register_forward_pre_hook(rescale)

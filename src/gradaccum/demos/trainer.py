@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from gradaccum.core import parse_schedule
 from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
@@ -67,6 +69,7 @@ class _Run:
     writer: MetricsWriter
     log: Log
     weighted: bool  # the data does not split into equal micro-batches: weight by items
+    autocast: Callable[[], AbstractContextManager[object]]  # the forward's precision
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -81,11 +84,17 @@ def _setup(config: TrainConfig, log: Log) -> _Run:
     x, y = mnist_tensors("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
     opt = make_optimizer(config.optimizer, model.parameters(), config.lr)
-    acc = Accumulator(opt, config.steps, model=model)
+    bf16 = config.precision == "bf16"
+    steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
+    # bf16 autocast needs no GradScaler (float32's exponent range), but a diverging window can
+    # still overflow: skip it whole and count it (EpochResult.skipped_windows).
+    acc = Accumulator(opt, steps, model=model, skip_nonfinite=bf16)
     model = apply_bn_mode(model, config.bn, acc)
     return _Run(config, model, acc, x.to(device), y.to(device), x_test.to(device),
                 y_test.to(device), device, MetricsWriter(config.out), log,
-                weighted=len(x) % config.micro_batch != 0)
+                weighted=len(x) % config.micro_batch != 0,
+                autocast=(lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16
+                else nullcontext)
 
 
 def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
@@ -106,7 +115,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     start = time.perf_counter()
     for i in range(size):
         idx = order[i * micro:(i + 1) * micro]
-        loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
+        with run.autocast():
+            loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
         acc.backward(loss, n_items=len(idx) if run.weighted else None)
         if acc.micro_step == 0 and acc.window_loss is not None:  # a window was applied
             losses.append(acc.window_loss)
