@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum.core import check_positive_int, lr_scale, parse_schedule, resolve_batch_sizes
-from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -30,6 +30,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
 
     add("--model", default="mlp", choices=["mlp", "cnn", "cnn-bn"],
         help="the network (default: the seed's MLP 784-512-512-10)")
+    add("--bn", default="plain", choices=list(BN_MODES),
+        help="BatchNorm under accumulation: plain, compound or linear momentum, window "
+             "(running stats of the whole batch), groupnorm (see docs/BATCHNORM.md)")
     add("--init", default="torch", choices=["torch", "mindspore"],
         help="mindspore: N(0, 0.01) linear weights and zero bias, the tutorial's defaults")
     add("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
@@ -67,7 +70,7 @@ def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | st
                              f"not the schedule {steps!r}")
         lr = lr_scale(args.lr, args.base_batch, micro_batch * steps * world, rule=args.lr_rule)
     return TrainConfig(
-        model=args.model, init=args.init, micro_batch=micro_batch, steps=steps, lr=lr,
+        model=args.model, bn=args.bn, init=args.init, micro_batch=micro_batch, steps=steps, lr=lr,
         optimizer=args.optimizer, epochs=args.epochs, seed=args.seed, end_of_epoch=args.end_of_epoch,
         data_dir=args.data_dir, limit_train=args.limit_train, limit_test=args.limit_test,
         precision=args.precision, backend=args.backend, device=args.device,

@@ -17,7 +17,7 @@ from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks, current_ranks, epoch_order, wrap
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
-from gradaccum.demos.models import build_model
+from gradaccum.demos.models import apply_bn_mode, build_model
 from gradaccum.torch import Accumulator
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
@@ -81,10 +81,18 @@ def _peak_memory(device: torch.device) -> int:
     return peak_rss_bytes()
 
 
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def _setup(config: TrainConfig, log: Log) -> _Run:
     device = torch.device(config.device)
     ranks = current_ranks()
     model = build_model(config.model, config.init, seed=config.seed).to(device)
+    if ranks.world > 1 and config.bn != "plain" and _has_batchnorm(model):
+        # The BN modes convert or hook modules that DDP would already have wrapped: not wired yet.
+        raise ValueError(f"--bn {config.bn} is not supported under torchrun yet: use --bn plain "
+                         "or a model without BatchNorm")
     net = wrap(model, ranks, device)
     x, y = mnist_tensors("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
@@ -94,6 +102,9 @@ def _setup(config: TrainConfig, log: Log) -> _Run:
     # bf16 autocast needs no GradScaler (float32's exponent range), but a diverging window can
     # still overflow: skip it whole and count it (EpochResult.skipped_windows).
     acc = Accumulator(opt, steps, model=net, skip_nonfinite=bf16)
+    model = apply_bn_mode(model, config.bn, acc)
+    if ranks.world == 1:
+        net = model  # a BN mode may return a converted model
     per_rank = -(-len(x) // ranks.world)  # a DistributedSampler's share (padded)
     return _Run(config, model, net, ranks, acc, x.to(device), y.to(device), x_test.to(device),
                 y_test.to(device), device, MetricsWriter(config.out if ranks.main else None), log,

@@ -109,6 +109,7 @@ class Accumulator:
         self._sync: GradSync = make_sync(model, sync)
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
+        self._discard_hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
@@ -208,12 +209,17 @@ class Accumulator:
         return self._apply()
 
     def discard(self) -> None:
-        """Drop the partial window: gradients set to None, counters back to the window's start."""
+        """Drop the partial window: gradients set to None, counters back to the window's start.
+
+        Then calls the hooks of :meth:`register_discard_hook` (window state kept outside).
+        """
         self.optimizer.zero_grad(set_to_none=True)
         self._sync.discard()
         self._precision.clear()
         self._losses = []
         self._open_window()
+        for hook in list(self._discard_hooks.values()):
+            hook(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
@@ -255,6 +261,19 @@ class Accumulator:
         """
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
+        return handle
+
+    def register_discard_hook(self, hook: BoundaryHook) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after :meth:`discard` drops a partial window.
+
+        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
+        which a discarded window must not leave behind.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._discard_hooks)
+        self._discard_hooks[handle.id] = hook
         return handle
 
     # ------------------------------------------------------------------ internals
