@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.errors import check_nonneg_int, check_positive_int
 from gradaccum.torch.grads import scale_and_clip_
+from gradaccum.torch.hooks import HookList
 from gradaccum.torch.precision import Precision
 from gradaccum.torch.state import (
     FORMAT_VERSION,
@@ -20,6 +20,8 @@ from gradaccum.torch.state import (
     param_signature,
     restore_grads,
     snapshot_grads,
+    window_from_state,
+    window_state,
 )
 from gradaccum.torch.sync import GradSync, SyncMode, make_sync
 from gradaccum.torch.validate import check_items, check_loss, check_parts
@@ -107,9 +109,8 @@ class Accumulator:
         self.schedule: Schedule = schedule
         self._params = params
         self._sync: GradSync = make_sync(model, sync)
-        # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
-        self._hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
-        self._discard_hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
+        self._hooks = HookList()
+        self._discard_hooks = HookList()
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
@@ -218,8 +219,7 @@ class Accumulator:
         self._precision.clear()
         self._losses = []
         self._open_window()
-        for hook in list(self._discard_hooks.values()):
-            hook(self)
+        self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
@@ -259,9 +259,7 @@ class Accumulator:
         Returns:
             A handle whose ``remove()`` unregisters the hook.
         """
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
-        return handle
+        return self._hooks.register(hook)
 
     def register_discard_hook(self, hook: BoundaryHook) -> RemovableHandle:
         """Call ``hook(accumulator)`` after :meth:`discard` drops a partial window.
@@ -272,9 +270,7 @@ class Accumulator:
         Returns:
             A handle whose ``remove()`` unregisters the hook.
         """
-        handle = RemovableHandle(self._discard_hooks)
-        self._discard_hooks[handle.id] = hook
-        return handle
+        return self._discard_hooks.register(hook)
 
     # ------------------------------------------------------------------ internals
     def _schedule_count(self) -> int:
@@ -324,8 +320,7 @@ class Accumulator:
         # Emptied before the hooks and the schedule run: should either raise, the applied window
         # must not be applied a second time by the next micro-batch.
         self._window = Window(window.size)
-        for hook in list(self._hooks.values()):
-            hook(self)
+        self._hooks(self)
         self._open_window()
         return stepped
 
@@ -349,16 +344,10 @@ class Accumulator:
         """
         if not self._window.empty:
             self._sync.check_saveable()
-        items = self._window.items
         return {
             "version": FORMAT_VERSION,
             "steps": self.schedule.describe(),
-            "window": {
-                "size": self._window.size,
-                "micro_step": self._window.micro_step,
-                "weighting": self._window.weighting,
-                "items": items.detach().clone() if isinstance(items, torch.Tensor) else items,
-            },
+            "window": window_state(self._window),
             "optimizer_steps": self.optimizer_steps,
             "skipped_windows": self.skipped_windows,
             "epoch": self.epoch,
@@ -377,8 +366,7 @@ class Accumulator:
         """
         check_state(state, self.schedule.describe(), self._params)
         self._precision.check_state(state.get("accum"))
-        w = state["window"]
-        window = Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
+        window = window_from_state(state["window"])
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
         self.optimizer_steps = state["optimizer_steps"]

@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads"]
+from gradaccum.core import Window
+
+__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads",
+           "window_from_state", "window_state"]
 
 FORMAT_VERSION = 1
 
@@ -20,6 +23,18 @@ def param_signature(params: Sequence[torch.Tensor]) -> list[list[Any]]:
 def snapshot_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """Copies of the partial gradients (later micro-batches add into the live ones in place)."""
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def window_state(window: Window) -> dict[str, Any]:
+    """The window as checkpoint values (a tensor item total is copied)."""
+    items = window.items
+    return {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
+            "items": items.detach().clone() if isinstance(items, torch.Tensor) else items}
+
+
+def window_from_state(w: Mapping[str, Any]) -> Window:
+    """The window saved by :func:`window_state` (its size validated)."""
+    return Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
 
 
 def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> None:
