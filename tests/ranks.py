@@ -78,12 +78,13 @@ def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return results
 
 
-def run_scenarios(scenarios: dict[str, Any], timeout_s: float = 60.0) -> None:
+def run_scenarios(scenarios: dict[str, Any], timeout_s: float = 60.0, destroy: bool = True) -> None:
     """Rank side: join the gloo group from the torchrun environment, run every scenario, save.
 
     A scenario is ``fn(rank, world) -> dict``; an exception is saved as ``{"error": traceback}``
     so that the others still run and the test shows which one failed. ``timeout_s`` bounds any
-    collective, so a broken scenario fails the run instead of hanging it.
+    collective, so a broken scenario fails the run instead of hanging it. ``destroy=False`` skips
+    ``destroy_process_group`` for a last scenario that leaves the group broken on purpose.
     """
     import traceback
     from datetime import timedelta
@@ -103,4 +104,5 @@ def run_scenarios(scenarios: dict[str, Any], timeout_s: float = 60.0) -> None:
             results[name] = {"error": traceback.format_exc()}
         print(f"{name}: {time.monotonic() - start:.2f}s", flush=True)  # in OUT/rank{r}.log
     torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    if destroy:
+        dist.destroy_process_group()
