@@ -72,10 +72,8 @@ class RankGroups:
             ValueError: the ranks hold windows of different lengths. Every rank sees the same
                 reduced values, so every rank raises (none is left waiting in a collective).
         """
-        vec = torch.tensor([*map(int, has_grad), micro_steps, -micro_steps], dtype=torch.int64,
-                           device=self.device)
-        self.all_reduce(vec, op=dist.ReduceOp.MAX)
-        *anyone, longest, minus_shortest = vec.tolist()
+        *anyone, longest, minus_shortest = self.max_over_ranks(
+            [*map(int, has_grad), micro_steps, -micro_steps])
         if longest != -minus_shortest:
             raise ValueError(
                 f"flush(): the ranks hold partial windows of different lengths (from "
@@ -84,6 +82,13 @@ class RankGroups:
                 "gives every rank the same number of batches)"
             )
         return None if longest == 0 else [n > 0 for n in anyone]
+
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over every data-parallel rank (one MAX
+        all-reduce per process group)."""
+        vec = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        self.all_reduce(vec, op=dist.ReduceOp.MAX)
+        return [int(v) for v in vec.tolist()]
 
     def check_saveable(self) -> None:
         """Partial gradients are in ``.grad`` (each rank saves its own accumulator state)."""

@@ -72,6 +72,13 @@ class GradSync(Protocol):
     def discard(self) -> None:
         """Drop partial-window gradients held outside ``.grad`` (the accumulator clears ``.grad``)."""
 
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the ranks, in one all-reduce.
+
+        Every rank must call it at the same point. A flag (0 or 1) becomes "any rank";
+        ``-count`` gives the minimum of a count.
+        """
+
 
 class LocalSync:
     """A single process: every method is a no-op."""
@@ -93,6 +100,10 @@ class LocalSync:
 
     def discard(self) -> None:
         """Nothing is held outside ``.grad``."""
+
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]:
+        """One rank: the values themselves."""
+        return list(values)
 
 
 def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
