@@ -49,3 +49,13 @@ def test_two_ranks_train_exactly_like_one_process_with_the_same_global_batch(tmp
     with np.load(tmp_path / "one" / "params.npz") as a, np.load(tmp_path / "two" / "params.npz") as b:
         for k in a.files:
             np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-6)
+
+
+def test_window_batchnorm_under_torchrun_pools_statistics_over_the_ranks(tmp_path):
+    # Converted before DDP wraps the model; each window's statistics are pooled over both ranks.
+    text = torchrun(["--model", "cnn-bn", "--bn", "window", "--limit-train", "256", "--limit-test",
+                     "100", "--epochs", "1", "--no-progress", "--micro-batch", "16", "--steps", "2",
+                     "--out", str(tmp_path / "bn")])
+    assert text.count("Test: Accuracy") == 1
+    epoch = next(r for r in read_metrics(tmp_path / "bn" / "metrics.jsonl") if r["kind"] == "epoch")
+    assert epoch["optimizer_steps"] == 4  # 256 items / (16 x 2 x 2 ranks)

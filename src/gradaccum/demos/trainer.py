@@ -19,6 +19,8 @@ from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import apply_bn_mode, build_model
 from gradaccum.torch import Accumulator
+from gradaccum.torch.batchnorm import to_groupnorm
+from gradaccum.torch.window_bn import to_window_batchnorm
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
 
@@ -81,18 +83,18 @@ def _peak_memory(device: torch.device) -> int:
     return peak_rss_bytes()
 
 
-def _has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
 def _setup(config: TrainConfig, log: Log) -> _Run:
     device = torch.device(config.device)
     ranks = current_ranks()
     model = build_model(config.model, config.init, seed=config.seed).to(device)
-    if ranks.world > 1 and config.bn != "plain" and _has_batchnorm(model):
-        # The BN modes convert or hook modules that DDP would already have wrapped: not wired yet.
-        raise ValueError(f"--bn {config.bn} is not supported under torchrun yet: use --bn plain "
-                         "or a model without BatchNorm")
+    if ranks.world > 1:
+        # Convert before DDP wraps the model, so that DDP holds (and broadcasts) the final
+        # modules; window statistics are pooled over the ranks, as one large batch's would be.
+        # apply_bn_mode below then only attaches them to the accumulator.
+        if config.bn == "window":
+            model = to_window_batchnorm(model, sync=True)
+        elif config.bn == "groupnorm":
+            model = to_groupnorm(model)
     net = wrap(model, ranks, device)
     x, y = mnist_tensors("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
