@@ -20,6 +20,7 @@ from gradaccum.core import (
     lr_scale,
     parse_schedule,
     resolve_batch_sizes,
+    scaled_momentum,
     split_sizes,
 )
 from gradaccum.core.memory import MemoryEstimate
@@ -29,10 +30,17 @@ from gradaccum.torch import (
     CheckReport,
     MicroBatch,
     NoMicroBatchFitsError,
+    WindowBatchNorm,
     batch_size,
     check_equivalence,
     is_oom_error,
+    restore_batchnorm,
+    restore_momentum_,
+    scale_momentum_,
     split_batch,
+    to_groupnorm,
+    to_window_batchnorm,
+    window_batchnorm,
 )
 
 __version__ = "0.1.0"
@@ -45,6 +53,7 @@ __all__ = [
     "MicroBatch",
     "NoMicroBatchFitsError",
     "Schedule",
+    "WindowBatchNorm",
     "__version__",
     "batch_size",
     "check_batch_sizes",
@@ -53,6 +62,13 @@ __all__ = [
     "lr_scale",
     "parse_schedule",
     "resolve_batch_sizes",
+    "restore_batchnorm",
+    "restore_momentum_",
+    "scale_momentum_",
+    "scaled_momentum",
     "split_batch",
     "split_sizes",
+    "to_groupnorm",
+    "to_window_batchnorm",
+    "window_batchnorm",
 ]

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference
 
 import gradaccum
+from ranks import run_scenarios
 from reference import data, mlp, reference_steps
 
 GLOBAL, WINDOWS = 24, 4  # items per window over both ranks; windows
@@ -127,21 +125,8 @@ SCENARIOS = {"recovers_on_both_ranks": recovers_on_both_ranks,
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    # A collective that never completes fails the run after this long instead of hanging it.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results: dict[str, Any] = {}
-    for name, fn in SCENARIOS.items():
-        start = time.monotonic()
-        try:
-            results[name] = fn(rank, world)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        print(f"{name}: {time.monotonic() - start:.2f}s", flush=True)
-    torch.save(results, out / f"rank{rank}.pt")
-    # No destroy_process_group: the last scenario leaves the group broken on purpose.
+    # The last scenario leaves the group broken on purpose: no destroy_process_group.
+    run_scenarios(SCENARIOS, timeout_s=60, destroy=False)
 
 
 if __name__ == "__main__":

@@ -6,61 +6,24 @@ seconds); each test checks one behaviour of that run. A deadlock fails the launc
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import gradaccum
+from ranks import run_ranks, scenario
 
 SCRIPT = Path(__file__).with_name("autobatch_ranks.py")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(out: Path, world: int = 2, timeout: float = 180.0) -> list[dict[str, Any]]:
-    src = str(Path(gradaccum.__file__).parents[1])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "GLOO_SOCKET_IFNAME": "lo", "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"ranks ran past {timeout}s (a deadlock?)") from None
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-4000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch(tmp_path_factory.mktemp("autobatch_ddp"))
-
-
-def results(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    for r, saved in enumerate(ranks):
-        assert "error" not in saved[name], f"{name} raised on rank {r}:\n{saved[name]['error']}"
-    return [saved[name] for saved in ranks]
+    return run_ranks(SCRIPT, tmp_path_factory.mktemp("autobatch_ddp"), timeout=180.0)
 
 
 def test_an_oom_on_one_rank_makes_every_rank_retry_and_training_stays_exact(ranks):
-    r0, r1 = results(ranks, "recovers_on_both_ranks")
+    r0, r1 = scenario(ranks, "recovers_on_both_ranks")
     assert r0["steps"] == r1["steps"] == 4
     assert r0["ooms"] == r1["ooms"] == 2 and r0["micro_batch"] == r1["micro_batch"] == 1
     for a, b, ref in zip(r0["params"], r1["params"], r0["reference"], strict=True):
@@ -69,14 +32,14 @@ def test_an_oom_on_one_rank_makes_every_rank_retry_and_training_stays_exact(rank
 
 
 def test_oom_at_micro_batch_one_on_one_rank_stops_every_rank(ranks):
-    r0, r1 = results(ranks, "oom_at_one_on_one_rank")
+    r0, r1 = scenario(ranks, "oom_at_one_on_one_rank")
     assert r0["error_type"] == r1["error_type"] == "NoMicroBatchFitsError"
     assert "on another rank" in r0["message"] and "CUDA out of memory" in r1["message"]
     assert r0["grads_none"] and r1["grads_none"]
 
 
 def test_ranks_that_split_into_other_part_counts_get_a_clear_error(ranks):
-    r0, r1 = results(ranks, "ranks_with_other_part_counts")
+    r0, r1 = scenario(ranks, "ranks_with_other_part_counts")
     for r in (r0, r1):
         assert "2 to 3 micro-batches" in r["message"] and r["micro_step"] == 0
 
@@ -84,7 +47,7 @@ def test_ranks_that_split_into_other_part_counts_get_a_clear_error(ranks):
 def test_oom_in_a_synced_last_micro_batch_raises_instead_of_hanging(ranks):
     # What remains unrecoverable: the rank that ran out says why; the rank waiting in the
     # gradient all-reduce fails when the first one leaves (gloo), instead of hanging.
-    r0, r1 = results(ranks, "oom_in_a_synced_last_micro_batch")
+    r0, r1 = scenario(ranks, "oom_in_a_synced_last_micro_batch")
     assert r1["error_type"] == "RuntimeError" and r1["cause"] == "OutOfMemoryError"
     assert "last micro-batch of a window under DDP" in r1["message"]
     assert r0["error_type"] == "RuntimeError"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from gradaccum.core import check_positive_int, lr_scale, parse_schedule, resolve_batch_sizes
-from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -28,6 +30,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
 
     add("--model", default="mlp", choices=["mlp", "cnn", "cnn-bn"],
         help="the network (default: the seed's MLP 784-512-512-10)")
+    add("--bn", default="plain", choices=list(BN_MODES),
+        help="BatchNorm under accumulation: plain, compound or linear momentum, window "
+             "(running stats of the whole batch), groupnorm (see docs/BATCHNORM.md)")
     add("--init", default="torch", choices=["torch", "mindspore"],
         help="mindspore: N(0, 0.01) linear weights and zero bias, the tutorial's defaults")
     add("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
@@ -57,17 +62,17 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
 
 
 def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | str,
-                     out: Path | None) -> TrainConfig:
+                     out: Path | None, world: int = 1) -> TrainConfig:
     """Build a :class:`TrainConfig` from parsed experiment options and a batch split (``steps``:
-    an int, or a schedule string such as ``"0:4,2:2"``)."""
+    an int, or a schedule string such as ``"0:4,2:2"``; ``world``: ranks under torchrun)."""
     lr = args.lr
     if args.lr_rule != "none":
         if isinstance(steps, str):
             raise ValueError("--lr-rule scales to one effective batch: it needs a constant --steps, "
                              f"not the schedule {steps!r}")
-        lr = lr_scale(args.lr, args.base_batch, micro_batch * steps, rule=args.lr_rule)
+        lr = lr_scale(args.lr, args.base_batch, micro_batch * steps * world, rule=args.lr_rule)
     return TrainConfig(
-        model=args.model, init=args.init, micro_batch=micro_batch, steps=steps, lr=lr,
+        model=args.model, bn=args.bn, init=args.init, micro_batch=micro_batch, steps=steps, lr=lr,
         optimizer=args.optimizer, epochs=args.epochs, seed=args.seed, end_of_epoch=args.end_of_epoch,
         data_dir=args.data_dir, limit_train=args.limit_train, limit_test=args.limit_test,
         precision=args.precision, backend=args.backend, device=args.device,
@@ -111,10 +116,28 @@ def _scheduled(args: argparse.Namespace) -> tuple[int, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gradaccum.demos.distributed import init_from_env
+
+    ranks = init_from_env(args.device)  # several ranks under torchrun, else one process
+    if ranks.world == 1:
+        return _run_ranks(args, 1)
+    import torch.distributed as dist
+
+    try:
+        if ranks.main:
+            return _run_ranks(args, ranks.world)
+        args.out = None  # rank 0 prints and writes for every rank
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return _run_ranks(args, ranks.world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(args: argparse.Namespace, world: int) -> int:
     if args.steps_schedule is not None:
         try:
             micro, schedule = _scheduled(args)
-            config = config_from_args(args, micro, schedule, args.out)
+            config = config_from_args(args, micro, schedule, args.out, world=world)
         except (TypeError, ValueError) as err:
             args.parser.error(str(err))
         print(f"gradaccum train: {config.model}, micro-batch {micro} x steps scheduled {schedule} "
@@ -128,12 +151,13 @@ def _run(args: argparse.Namespace) -> int:
     elif micro is None and steps is None:
         micro = SEED_MICRO_BATCH
     try:
-        micro, steps = resolve_batch_sizes(micro, steps, global_batch)
-        config = config_from_args(args, micro, steps, args.out)
+        micro, steps = resolve_batch_sizes(micro, steps, global_batch, world_size=world)
+        config = config_from_args(args, micro, steps, args.out, world=world)
     except (TypeError, ValueError) as err:
         args.parser.error(str(err))
-    print(f"gradaccum train: {config.model}, micro-batch {micro} x steps {steps} = batch "
-          f"{micro * steps}, lr {config.lr:g}, {config.optimizer}, {config.epochs} epoch(s)")
+    ranks = f" x {world} ranks" if world > 1 else ""
+    print(f"gradaccum train: {config.model}, micro-batch {micro} x steps {steps}{ranks} = batch "
+          f"{micro * steps * world}, lr {config.lr:g}, {config.optimizer}, {config.epochs} epoch(s)")
     return _report(run_config(config), config)
 
 
@@ -150,7 +174,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("train", help="run the seed experiment (MNIST) through the Accumulator",
                        description="The seed experiment: MNIST, micro-batch x steps, exact "
                                    "gradient accumulation. Give two of --micro-batch, --steps and "
-                                   "--global-batch (default 32 x 2).")
+                                   "--global-batch (default 32 x 2). Under torchrun "
+                                   "(torchrun --nproc-per-node 2 -m gradaccum train ...) every "
+                                   "rank trains its DistributedSampler share through DDP, and "
+                                   "--global-batch counts every rank's items.")
     p.add_argument("--micro-batch", type=int, default=None, help="items per micro-batch (default 32)")
     p.add_argument("--steps", type=int, default=None, help="micro-batches per window (default 2)")
     p.add_argument("--global-batch", type=int, default=None, help="micro-batch x steps")

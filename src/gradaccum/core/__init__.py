@@ -11,6 +11,7 @@ from gradaccum.core.errors import (
     check_positive_float,
     check_positive_int,
 )
+from gradaccum.core.momentum import scaled_momentum
 from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
 from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
 from gradaccum.core.window import Weighting, Window
@@ -30,5 +31,6 @@ __all__ = [
     "lr_scale",
     "parse_schedule",
     "resolve_batch_sizes",
+    "scaled_momentum",
     "split_sizes",
 ]

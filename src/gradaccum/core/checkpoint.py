@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["FORMAT_VERSION", "check_state_record"]
+from gradaccum.core.window import Window
+
+__all__ = ["FORMAT_VERSION", "check_state_record", "window_from_record"]
 
 FORMAT_VERSION = 1
 
@@ -56,6 +58,19 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any]) -> None
     grads = state["grads"]
     if len(grads) != len(ours):
         raise ValueError(f"state holds {len(grads)} gradients for {len(ours)} parameters")
+
+
+def window_from_record(w: Mapping[str, Any]) -> Window:
+    """The window saved in a state's ``"window"`` entry, its size validated.
+
+    Raises:
+        TypeError, ValueError: a size that is not an integer >= 1 (the message names ``steps``).
+
+    Example:
+        >>> window_from_record({"size": 4, "micro_step": 1, "weighting": "mean", "items": 0})
+        Window(size=4, micro_step=1, weighting='mean', items=0)
+    """
+    return Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
 
 
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:

@@ -105,6 +105,8 @@ def _check(config: TrainConfig) -> None:
         raise ValueError(f"precision={config.precision!r}: the mindspore backend trains in fp32")
     if config.device != "cpu":
         raise ValueError(f"device={config.device!r}: the mindspore backend runs on the CPU here")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ValueError("the mindspore backend runs in one process, not under torchrun")
 
 
 def _setup(config: TrainConfig, log: Log) -> _Run:
@@ -197,7 +199,7 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
         The run's results, with the final parameters as numpy arrays (torch's order and shapes).
 
     Raises:
-        ValueError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``).
+        ValueError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``, torchrun).
     """
     run = _setup(config, log)
     result = RunResult(config)

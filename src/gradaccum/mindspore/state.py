@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from gradaccum.core import Window
-from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, window_from_record
 
 __all__ = ["check", "pack", "param_signature", "restore"]
 
@@ -59,8 +59,7 @@ def check(state: Any, steps: Any, weighting: str, buffers: Sequence[Parameter]) 
             the other weighting, or a gradient of the wrong shape.
     """
     check_state_record(state, steps, param_signature(buffers))
-    w = state["window"]
-    window = Window(w["size"], w["micro_step"], w["weighting"], w["items"])
+    window = window_from_record(state["window"])
     if window.weighting not in (None, weighting):
         raise ValueError(f"state holds a window with weighting={window.weighting!r}, this "
                          f"accumulator has weighting={weighting!r}")

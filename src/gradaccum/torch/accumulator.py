@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.errors import check_nonneg_int, check_positive_int
 from gradaccum.torch.grads import scale_and_clip_
+from gradaccum.torch.hooks import HookList
 from gradaccum.torch.precision import Precision
 from gradaccum.torch.state import (
     FORMAT_VERSION,
@@ -20,8 +20,10 @@ from gradaccum.torch.state import (
     param_signature,
     restore_grads,
     snapshot_grads,
+    window_from_state,
+    window_state,
 )
-from gradaccum.torch.sync import GradSync, make_sync
+from gradaccum.torch.sync import GradSync, SyncMode, make_sync
 from gradaccum.torch.validate import check_items, check_loss, check_parts
 
 __all__ = ["Accumulator", "MicroBatch"]
@@ -39,13 +41,15 @@ class Accumulator:
 
     Normalization: without ``n_items`` the window's gradient is the mean of its micro-batch
     gradients (a flushed window of r micro-batches is the mean over r); with ``n_items`` on every
-    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP.
+    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP
+    and FSDP2 (every rank must feed the same number of micro-batches per window).
 
     Args:
         optimizer: the ``torch.optim.Optimizer`` to step once per window.
         steps: micro-batches per window: an int, or a schedule (a mapping ``{optimizer_step: N}``,
             a callable, or a :class:`gradaccum.Schedule`) read when each window opens.
-        model: the model; a ``DistributedDataParallel`` module gets one gradient sync per window.
+        model: the model the forward runs through; a ``DistributedDataParallel`` or FSDP2
+            (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         scheduler: an LR scheduler, stepped once per optimizer step.
         scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`. Each
@@ -56,6 +60,9 @@ class Accumulator:
             float32 and cast into ``.grad`` once per window. Not under DDP/FSDP (ValueError).
         skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN (one
             foreach norm pass per window, none when ``clip_norm`` already computes it).
+        sync: when a distributed ``model`` reduces gradients: ``"window"`` (once per window, on
+            its last backward) or ``"micro_batch"`` (every backward; FSDP2 then holds only
+            sharded gradients). No effect on a single process.
 
     A skipped window (scaler found an inf, or ``skip_nonfinite``) leaves the parameters and the
     optimizer untouched, does not step the scheduler, clears the gradients, adds one to
@@ -87,6 +94,7 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         accum_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
+        sync: SyncMode = "window",
     ) -> None:
         schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
@@ -100,9 +108,9 @@ class Accumulator:
         self.scaler = scaler
         self.schedule: Schedule = schedule
         self._params = params
-        self._sync: GradSync = make_sync(model)
-        # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
-        self._hooks: OrderedDict[int, BoundaryHook] = OrderedDict()
+        self._sync: GradSync = make_sync(model, sync)
+        self._hooks = HookList()
+        self._discard_hooks = HookList()
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
@@ -126,6 +134,15 @@ class Accumulator:
     def windows(self) -> int:
         """Windows applied so far: optimizer steps plus windows skipped for non-finite grads."""
         return self.optimizer_steps + self.skipped_windows
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the window's gradients are averaged over (1 without DDP/FSDP2).
+
+        Check a configuration with
+        ``gradaccum.check_batch_sizes(global_batch, micro_batch, acc.steps, acc.world_size)``.
+        """
+        return self._sync.world_size
 
     # ------------------------------------------------------------------ feeding
     def backward(self, loss: torch.Tensor, n_items: Any = None) -> bool:
@@ -176,21 +193,33 @@ class Accumulator:
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
 
+        Under DDP or FSDP2 (``sync="window"``) every rank must call it: it reduces the window's
+        gradients itself, since none of its backwards did.
+
         Returns:
             True when the optimizer stepped; False when nothing was pending (or the window was
             skipped for non-finite gradients).
+
+        Raises:
+            ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
+                every rank, before anything changes).
         """
+        self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
             return False
-        self._sync.sync_partial(self._params)
         return self._apply()
 
     def discard(self) -> None:
-        """Drop the partial window: gradients set to None, counters back to the window's start."""
+        """Drop the partial window: gradients set to None, counters back to the window's start.
+
+        Then calls the hooks of :meth:`register_discard_hook` (window state kept outside).
+        """
         self.optimizer.zero_grad(set_to_none=True)
+        self._sync.discard()
         self._precision.clear()
         self._losses = []
         self._open_window()
+        self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
@@ -230,9 +259,18 @@ class Accumulator:
         Returns:
             A handle whose ``remove()`` unregisters the hook.
         """
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
-        return handle
+        return self._hooks.register(hook)
+
+    def register_discard_hook(self, hook: BoundaryHook) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after :meth:`discard` drops a partial window.
+
+        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
+        which a discarded window must not leave behind.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._discard_hooks.register(hook)
 
     # ------------------------------------------------------------------ internals
     def _schedule_count(self) -> int:
@@ -282,8 +320,7 @@ class Accumulator:
         # Emptied before the hooks and the schedule run: should either raise, the applied window
         # must not be applied a second time by the next micro-batch.
         self._window = Window(window.size)
-        for hook in list(self._hooks.values()):
-            hook(self)
+        self._hooks(self)
         self._open_window()
         return stepped
 
@@ -300,17 +337,17 @@ class Accumulator:
             A dict of counters, the window (size, micro-step, weighting, item total), the loss
             sum and copies of the partial gradients (and of the float32 buffers under
             ``accum_dtype``). Save it beside the model's and optimizer's.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
+                live unsharded inside FSDP2, out of reach (save at ``micro_step == 0``).
         """
-        items = self._window.items
+        if not self._window.empty:
+            self._sync.check_saveable()
         return {
             "version": FORMAT_VERSION,
             "steps": self.schedule.describe(),
-            "window": {
-                "size": self._window.size,
-                "micro_step": self._window.micro_step,
-                "weighting": self._window.weighting,
-                "items": items.detach().clone() if isinstance(items, torch.Tensor) else items,
-            },
+            "window": window_state(self._window),
             "optimizer_steps": self.optimizer_steps,
             "skipped_windows": self.skipped_windows,
             "epoch": self.epoch,
@@ -329,8 +366,7 @@ class Accumulator:
         """
         check_state(state, self.schedule.describe(), self._params)
         self._precision.check_state(state.get("accum"))
-        w = state["window"]
-        window = Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
+        window = window_from_state(state["window"])
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
         self.optimizer_steps = state["optimizer_steps"]

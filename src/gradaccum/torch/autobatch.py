@@ -30,7 +30,7 @@ import torch
 from gradaccum.core import check_positive_int, split_sizes
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.batch_split import batch_size, split_batch
-from gradaccum.torch.oom import cuda_in_use, is_oom_error, max_over_ranks, release_memory
+from gradaccum.torch.oom import cuda_in_use, is_oom_error, release_memory
 
 __all__ = ["AutoBatch", "NoMicroBatchFitsError"]
 
@@ -87,9 +87,8 @@ class AutoBatch:
         self.acc = accumulator
         self.ooms = 0
         self.last_sizes: list[int] = []
-        sync = accumulator._sync  # the accumulator's strategy: its group is where ranks agree
-        self._group = getattr(sync, "group", None) if sync.world_size > 1 else None
-        self._device = accumulator.optimizer.param_groups[0]["params"][0].device
+        self._sync = accumulator._sync  # the accumulator's strategy: where the ranks agree
+        self._distributed = self._sync.world_size > 1
         self._stats = _running_stats(accumulator.model)
         self._ceiling: int | None = None  # smallest micro-batch that ran out
         self._proven: set[int] = set()  # sizes that completed a window (DDP: sync may go last)
@@ -141,8 +140,8 @@ class AutoBatch:
         k = len(sizes)
         # Even parts on one process: mean weighting, the loss scaled by 1/N up front. Otherwise
         # n_items, so a short last part and ranks with other totals are weighted exactly.
-        counts: list[Any] = [None] * k if self._group is None and len(set(sizes)) == 1 else sizes
-        agree = self._group is not None and self.auto
+        counts: list[Any] = [None] * k if not self._distributed and len(set(sizes)) == 1 else sizes
+        agree = self._distributed and self.auto
         # The first window at a size syncs no micro-batch (its gradients are averaged after the
         # agreement), so any of them may run out safely. Later windows sync in the last one.
         probe = agree and size not in self._proven
@@ -186,7 +185,7 @@ class AutoBatch:
 
     def _agree(self, oom: bool, parts: int) -> bool:
         """True when any rank ran out; every rank reaches this once per attempt."""
-        flag, most, neg_least = max_over_ranks([int(oom), parts, -parts], self._group, self._device)
+        flag, most, neg_least = self._sync.max_over_ranks([int(oom), parts, -parts])
         if most != -neg_least:
             self.acc.discard()
             raise ValueError(

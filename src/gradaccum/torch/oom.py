@@ -5,9 +5,8 @@ from __future__ import annotations
 import gc
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["cuda_in_use", "is_oom_error", "max_over_ranks", "release_memory"]
+__all__ = ["cuda_in_use", "is_oom_error", "release_memory"]
 
 # Messages of the allocators that raise a plain RuntimeError instead of torch.OutOfMemoryError:
 # the CPU allocator, CUDA errors raised by a kernel launch or a library, and cuBLAS/cuDNN
@@ -54,25 +53,3 @@ def release_memory() -> None:
     gc.collect()  # a traceback cycle may still hold a frame full of activations
     if cuda_in_use():
         torch.cuda.empty_cache()
-
-
-def max_over_ranks(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks of ``group``, in one all-reduce.
-
-    Every rank of the group must call it at the same point, or the collective blocks. An OOM flag
-    (0 or 1) becomes "any rank ran out"; ``-count`` gives the minimum of a count.
-
-    Args:
-        values: this rank's integers (the same length on every rank).
-        group: the process group, or ``None`` for a single process (no collective).
-        device: where the tensor lives (the group's device: CUDA for NCCL).
-
-    Example:
-        >>> max_over_ranks([1, -3], None, torch.device("cpu"))
-        [1, -3]
-    """
-    if group is None:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in tensor.tolist()]

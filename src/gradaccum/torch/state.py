@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
+from gradaccum.core import Window
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, window_from_record
 
-__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads"]
+__all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads",
+           "window_from_state", "window_state"]
 
 
 def param_signature(params: Sequence[torch.Tensor]) -> list[list[Any]]:
@@ -20,6 +22,18 @@ def param_signature(params: Sequence[torch.Tensor]) -> list[list[Any]]:
 def snapshot_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """Copies of the partial gradients (later micro-batches add into the live ones in place)."""
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def window_state(window: Window) -> dict[str, Any]:
+    """The window as checkpoint values (a tensor item total is copied)."""
+    items = window.items
+    return {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
+            "items": items.detach().clone() if isinstance(items, torch.Tensor) else items}
+
+
+def window_from_state(w: Mapping[str, Any]) -> Window:
+    """The window saved by :func:`window_state` (its size validated)."""
+    return window_from_record(w)
 
 
 def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> None:
