@@ -14,18 +14,61 @@ Example:
     1
 """
 
-from gradaccum.core import Schedule, check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.torch import Accumulator, MicroBatch
+from gradaccum.core import (
+    Schedule,
+    check_batch_sizes,
+    lr_scale,
+    parse_schedule,
+    resolve_batch_sizes,
+    scaled_momentum,
+    split_sizes,
+)
+from gradaccum.core.memory import MemoryEstimate
+from gradaccum.torch import (
+    Accumulator,
+    AutoBatch,
+    CheckReport,
+    MicroBatch,
+    NoMicroBatchFitsError,
+    WindowBatchNorm,
+    batch_size,
+    check_equivalence,
+    is_oom_error,
+    restore_batchnorm,
+    restore_momentum_,
+    scale_momentum_,
+    split_batch,
+    to_groupnorm,
+    to_window_batchnorm,
+    window_batchnorm,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "AutoBatch",
+    "CheckReport",
+    "MemoryEstimate",
     "MicroBatch",
+    "NoMicroBatchFitsError",
     "Schedule",
+    "WindowBatchNorm",
     "__version__",
+    "batch_size",
     "check_batch_sizes",
+    "check_equivalence",
+    "is_oom_error",
     "lr_scale",
+    "parse_schedule",
     "resolve_batch_sizes",
+    "restore_batchnorm",
+    "restore_momentum_",
+    "scale_momentum_",
+    "scaled_momentum",
+    "split_batch",
     "split_sizes",
+    "to_groupnorm",
+    "to_window_batchnorm",
+    "window_batchnorm",
 ]

@@ -53,6 +53,8 @@ def test_empty_window_has_no_factor():
 
 def test_resize_only_at_boundary():
     assert Window.open(2).resized(4).size == 4
+    held = Window.open(2).advance(None)
+    assert held.resized(2) is held  # the same size keeps the micro-batches
     with pytest.raises(ValueError, match="boundary"):
         Window.open(2).advance(None).resized(4)
 

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("gradaccum.cli.bench",
               "benchmark against a hand-written loop, Accelerate and the seed's accumulator"),
     "info": ("gradaccum.cli.info", "print versions, threads and devices"),
+    "check": ("gradaccum.cli.check", "is accumulation exact for a model? (full batch vs N micro-batches)"),
+    "plan": ("gradaccum.cli.plan", "predict memory per micro-batch; recommend micro-batch x steps"),
 }
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from gradaccum.cli.train import add_experiment_arguments
 
-__all__ = ["add_parser", "format_table", "parse_settings"]
+__all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
 DEFAULT_SETTINGS = "64x1,32x2,8x8"
+BACKENDS = ("torch", "mindspore")
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -39,6 +40,25 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
             raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
         settings.append((int(micro), int(steps)))
     return settings
+
+
+def parse_backends(text: str) -> list[str]:
+    """Parse ``--backends`` (``"torch,mindspore"``) into a list.
+
+    Raises:
+        ValueError: an unknown or repeated backend.
+
+    Example:
+        >>> parse_backends("torch, mindspore")
+        ['torch', 'mindspore']
+    """
+    backends = [b.strip() for b in text.split(",")]
+    for b in backends:
+        if b not in BACKENDS:
+            raise ValueError(f"--backends entry {b!r} is not one of {', '.join(BACKENDS)}")
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"--backends {text!r} names a backend twice")
+    return backends
 
 
 def _experiment_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
@@ -82,16 +102,22 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         settings = parse_settings(args.settings)
+        backends = [args.backend] if args.backends is None else parse_backends(args.backends)
+        if args.backends is not None and args.backend != "torch":
+            raise ValueError("give --backend or --backends, not both")
     except ValueError as err:
         args.parser.error(str(err))
     out: Path = args.out
     rows: list[dict[str, Any]] = []
-    for micro, steps in settings:
-        label, run_dir = f"{micro}x{steps}", out / f"{micro}x{steps}"
-        print(f"\n=== {label}: micro-batch {micro} x steps {steps} ===", flush=True)
+    for (micro, steps), backend in ((s, b) for s in settings for b in backends):
+        # One backend keeps the plain labels; several are told apart by a suffix.
+        label = f"{micro}x{steps}" + (f"-{backend}" if len(backends) > 1 else "")
+        run_dir = out / label
+        print(f"\n=== {label}: micro-batch {micro} x steps {steps} ({backend}) ===", flush=True)
         cmd = [sys.executable, "-m", "gradaccum", "train", "--micro-batch", str(micro),
                "--steps", str(steps), "--out", str(run_dir),
-               *_experiment_argv(args, args.experiment_actions)]
+               *_experiment_argv(args, args.experiment_actions),
+               *(["--backend", backend] if args.backends is not None else [])]
         if subprocess.run(cmd, check=False).returncode != 0:
             print(f"gradaccum compare: the {label} run failed", file=sys.stderr)
             return 1
@@ -120,5 +146,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"comma-separated MICROxSTEPS (default {DEFAULT_SETTINGS})")
     p.add_argument("--out", type=Path, default=Path("runs/compare"),
                    help="folder for each run's outputs, compare.md/json and compare.png")
+    p.add_argument("--backends", default=None, metavar="B1,B2",
+                   help="run every setting on each backend, side by side (torch,mindspore); "
+                        "the parameter difference then compares the backends too")
     actions = add_experiment_arguments(p)
     p.set_defaults(func=_run, parser=p, experiment_actions=actions)

@@ -4,17 +4,20 @@ Nothing here imports a framework, so every backend (PyTorch, MindSpore) shares t
 they can be tested in microseconds.
 """
 
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
 from gradaccum.core.errors import (
     check_nonneg_int,
     check_optional_positive_float,
     check_positive_float,
     check_positive_int,
 )
+from gradaccum.core.momentum import scaled_momentum
 from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.core.schedule import Schedule, as_schedule
+from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
 from gradaccum.core.window import Weighting, Window
 
 __all__ = [
+    "FORMAT_VERSION",
     "Schedule",
     "Weighting",
     "Window",
@@ -24,7 +27,10 @@ __all__ = [
     "check_optional_positive_float",
     "check_positive_float",
     "check_positive_int",
+    "check_state_record",
     "lr_scale",
+    "parse_schedule",
     "resolve_batch_sizes",
+    "scaled_momentum",
     "split_sizes",
 ]

@@ -4,6 +4,10 @@
 ``GradientAccumulationScheduler``) or a callable ``count -> N``. ``count`` is the number of
 optimizer steps taken so far, or the epoch when the schedule is built with ``by="epoch"``. A
 schedule is only *read* when a window opens, so a change always takes effect at a boundary.
+
+The count is the number of optimizer steps *taken*: a window skipped for non-finite gradients
+(``GradScaler``) advances neither it nor the LR scheduler, so the two stay in step. On a command
+line a schedule is written ``"0:4,2:2"`` (see :func:`parse_schedule`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Literal
 
 from gradaccum.core.errors import check_nonneg_int, check_positive_int
 
-__all__ = ["Schedule", "as_schedule"]
+__all__ = ["Schedule", "as_schedule", "parse_schedule"]
 
 ScheduleUnit = Literal["optimizer_step", "epoch"]
 StepsSpec = int | Mapping[int, int] | Callable[[int], int]
@@ -66,6 +70,31 @@ class Schedule:
         """The window size if it never changes, else ``None``."""
         return self._const
 
+    def table(self) -> tuple[list[int], list[int]] | None:
+        """The schedule as a step function: ``(starts, sizes)``, the first start 0.
+
+        N is ``sizes[i]`` for counts from ``starts[i]`` up to the next start. A backend that
+        cannot call Python when a window opens (a compiled MindSpore graph) looks N up in this
+        table instead, so both backends read the same rule.
+
+        Returns:
+            The table, or ``None`` for a callable schedule (it has no finite table).
+
+        Example:
+            >>> Schedule({2: 4, 5: 2}).table()
+            ([0, 2, 5], [1, 4, 2])
+            >>> Schedule(3).table()
+            ([0], [3])
+        """
+        if self._const is not None:
+            return [0], [self._const]
+        if self._fn is not None:
+            return None
+        if self._starts[0] == 0:
+            return list(self._starts), list(self._sizes)
+        # N = 1 before the smallest key (see the class docstring).
+        return [0, *self._starts], [1, *self._sizes]
+
     def __call__(self, count: int) -> int:
         """Return N for a window that opens after ``count`` optimizer steps (or in that epoch).
 
@@ -110,3 +139,55 @@ def as_schedule(steps: Any) -> Schedule:
         2
     """
     return steps if isinstance(steps, Schedule) else Schedule(steps)
+
+
+def parse_schedule(text: str, *, by: ScheduleUnit = "optimizer_step") -> Schedule:
+    """Parse a schedule written on a command line: ``"4"`` or ``"start:N,start:N,..."``.
+
+    Args:
+        text: a constant (``"4"``) or comma-separated ``start:N`` pairs (``"0:4,2:2"``: N = 4 for
+            the first two optimizer steps, then 2). Spaces are ignored.
+        by: what the starts count, as for :class:`Schedule`.
+
+    Returns:
+        The schedule.
+
+    Raises:
+        TypeError: ``text`` is not a string.
+        ValueError: an entry is not ``start:N`` with integers, a start repeats, a start is
+            negative or an N below 1 (the message quotes ``text`` and the faulty entry).
+
+    Example:
+        >>> s = parse_schedule("0:4, 2:2")
+        >>> [s(k) for k in range(4)]
+        [4, 4, 2, 2]
+        >>> parse_schedule("8").constant
+        8
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"steps schedule must be a string like '0:4,2:2', got {text!r} "
+                        f"({type(text).__name__})")
+    entries = [e.strip() for e in text.split(",")]
+    if len(entries) == 1 and ":" not in entries[0]:
+        return Schedule(_parse_int(text, entries[0], "N", minimum=1), by=by)
+    mapping: dict[int, int] = {}
+    for entry in entries:
+        parts = [p.strip() for p in entry.split(":")]
+        if len(parts) != 2:
+            raise ValueError(f"steps schedule {text!r}: entry {entry!r} is not 'start:N' "
+                             "(write e.g. '0:4,2:2')")
+        start = _parse_int(text, parts[0], "start", minimum=0)
+        if start in mapping:
+            raise ValueError(f"steps schedule {text!r}: start {start} appears twice")
+        mapping[start] = _parse_int(text, parts[1], "N", minimum=1)
+    return Schedule(mapping, by=by)
+
+
+def _parse_int(text: str, field: str, what: str, *, minimum: int) -> int:
+    try:
+        value = int(field)
+    except ValueError:
+        raise ValueError(f"steps schedule {text!r}: {what} {field!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"steps schedule {text!r}: {what} must be >= {minimum}, got {value}")
+    return value

@@ -136,11 +136,15 @@ class Window:
     def resized(self, size: int) -> Window:
         """Return this window with another size; only an empty window may change size.
 
+        The same size leaves the window as it is (micro-batches included).
+
         Raises:
             ValueError: the window already holds micro-batches (a size change waits for the
                 boundary).
         """
-        if not self.empty and size != self.size:
+        if size == self.size:
+            return self
+        if not self.empty:
             raise ValueError(
                 f"steps can change only at a window boundary: the window holds "
                 f"{self.micro_step} of {self.size} micro-batches, new steps={size!r}"

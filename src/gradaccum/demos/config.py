@@ -6,7 +6,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["EpochResult", "RunResult", "TrainConfig"]
+__all__ = ["BN_MODES", "EpochResult", "RunResult", "TrainConfig"]
+
+# How a model's BatchNorm layers are treated under accumulation (``gradaccum train --bn``); see
+# :func:`gradaccum.demos.models.apply_bn_mode`.
+BN_MODES = ("plain", "compound", "linear", "window", "groupnorm")
 
 
 @dataclass
@@ -16,6 +20,8 @@ class TrainConfig:
 
     Attributes:
         model: a name from :data:`gradaccum.demos.models.MODELS` (``mlp``, ``cnn``, ``cnn-bn``).
+        bn: how BatchNorm layers are treated, one of :data:`BN_MODES`
+            (``plain``, ``compound``, ``linear``, ``window``, ``groupnorm``).
         init: ``"torch"`` or ``"mindspore"`` (N(0, 0.01) linear weights, zero bias).
         micro_batch: items per micro-batch.
         steps: micro-batches per window: an int, or a schedule string ``"0:4,2:2"``.
@@ -36,6 +42,7 @@ class TrainConfig:
     """
 
     model: str = "mlp"
+    bn: str = "plain"
     init: str = "torch"
     micro_batch: int = 32
     steps: int | str = 2

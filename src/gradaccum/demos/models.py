@@ -7,7 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "bench_cnn", "build_model", "cnn", "cnn_bn", "mindspore_init_", "mlp"]
+from gradaccum.demos.config import BN_MODES
+from gradaccum.torch import Accumulator, scale_momentum_, to_groupnorm, to_window_batchnorm, window_batchnorm
+
+__all__ = ["BN_MODES", "MODELS", "apply_bn_mode", "bench_cnn", "build_model", "cnn", "cnn_bn",
+           "mindspore_init_", "mlp"]
 
 
 def mlp() -> nn.Module:
@@ -97,3 +101,56 @@ def build_model(name: str, init: str = "torch", seed: int | None = None) -> nn.M
         torch.manual_seed(seed)
     model = MODELS[name][0]()
     return mindspore_init_(model) if init == "mindspore" else model
+
+
+def apply_bn_mode(model: nn.Module, mode: str, accumulator: Accumulator | None = None, *,
+                  steps: int | None = None) -> nn.Module:
+    """Treat the BatchNorm layers of ``model`` for accumulation, by name (see :data:`BN_MODES`).
+
+    ``plain``: unchanged; ``compound`` / ``linear``: :func:`gradaccum.scale_momentum_` for
+    ``steps``, or else for the accumulator's N, followed as a schedule changes it; ``window``:
+    :func:`gradaccum.window_batchnorm`, committed by the accumulator (without one,
+    :func:`gradaccum.to_window_batchnorm`, committed by the caller); ``groupnorm``:
+    :func:`gradaccum.to_groupnorm`. Parameters are shared, so an optimizer built before keeps
+    working. A model without BatchNorm is returned unchanged.
+
+    Returns:
+        The model (use the returned object).
+
+    Raises:
+        ValueError: an unknown mode, or a momentum mode with neither steps nor an accumulator.
+
+    Example:
+        >>> type(apply_bn_mode(build_model("cnn-bn"), "groupnorm", None)[1]).__name__
+        'BatchNormGroupNorm'
+    """
+    if mode not in BN_MODES:
+        raise ValueError(f"bn mode must be one of {list(BN_MODES)}, got {mode!r}")
+    if mode in ("compound", "linear"):
+        if steps is None and accumulator is None:
+            raise ValueError(f"bn mode {mode!r} needs steps or an accumulator, got neither")
+        if steps is not None:
+            scale_momentum_(model, steps, mode)
+        else:
+            assert accumulator is not None
+            _follow_steps(model, mode, accumulator)
+    elif mode == "window":
+        model = to_window_batchnorm(model) if accumulator is None else window_batchnorm(model, accumulator)
+    elif mode == "groupnorm":
+        model = to_groupnorm(model)
+    return model
+
+
+def _follow_steps(model: nn.Module, mode: str, accumulator: Accumulator) -> None:
+    """Scale the momentum for the accumulator's N now and again whenever a schedule changes it."""
+    current = [accumulator.steps]
+    scale_momentum_(model, current[0], mode)
+
+    def rescale(module: nn.Module, args: object) -> None:
+        # A forward pre-hook, since the new N is known only once the next window opens, after the
+        # boundary hooks; the check is one comparison per forward.
+        if accumulator.steps != current[0]:
+            current[0] = accumulator.steps
+            scale_momentum_(model, current[0], mode)
+
+    model.register_forward_pre_hook(rescale)

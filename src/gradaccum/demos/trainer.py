@@ -5,17 +5,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from gradaccum.core import parse_schedule
 from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
+from gradaccum.demos.distributed import Ranks, current_ranks, epoch_order, wrap
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
-from gradaccum.demos.models import build_model
+from gradaccum.demos.models import apply_bn_mode, build_model
 from gradaccum.torch import Accumulator
+from gradaccum.torch.batchnorm import to_groupnorm
+from gradaccum.torch.window_bn import to_window_batchnorm
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
 
@@ -58,6 +63,8 @@ class _Run:
 
     config: TrainConfig
     model: nn.Module
+    net: nn.Module  # what the forward runs through: the model, or its DDP wrapper on several ranks
+    ranks: Ranks
     acc: Accumulator
     x: torch.Tensor
     y: torch.Tensor
@@ -67,6 +74,7 @@ class _Run:
     writer: MetricsWriter
     log: Log
     weighted: bool  # the data does not split into equal micro-batches: weight by items
+    autocast: Callable[[], AbstractContextManager[object]]  # the forward's precision
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -77,39 +85,60 @@ def _peak_memory(device: torch.device) -> int:
 
 def _setup(config: TrainConfig, log: Log) -> _Run:
     device = torch.device(config.device)
+    ranks = current_ranks()
     model = build_model(config.model, config.init, seed=config.seed).to(device)
+    if ranks.world > 1:
+        # Convert before DDP wraps the model, so that DDP holds (and broadcasts) the final
+        # modules; window statistics are pooled over the ranks, as one large batch's would be.
+        # apply_bn_mode below then only attaches them to the accumulator.
+        if config.bn == "window":
+            model = to_window_batchnorm(model, sync=True)
+        elif config.bn == "groupnorm":
+            model = to_groupnorm(model)
+    net = wrap(model, ranks, device)
     x, y = mnist_tensors("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_tensors("test", config.data_dir, config.limit_test)
     opt = make_optimizer(config.optimizer, model.parameters(), config.lr)
-    acc = Accumulator(opt, config.steps, model=model)
-    return _Run(config, model, acc, x.to(device), y.to(device), x_test.to(device),
-                y_test.to(device), device, MetricsWriter(config.out), log,
-                weighted=len(x) % config.micro_batch != 0)
+    bf16 = config.precision == "bf16"
+    steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
+    # bf16 autocast needs no GradScaler (float32's exponent range), but a diverging window can
+    # still overflow: skip it whole and count it (EpochResult.skipped_windows).
+    acc = Accumulator(opt, steps, model=net, skip_nonfinite=bf16)
+    model = apply_bn_mode(model, config.bn, acc)
+    if ranks.world == 1:
+        net = model  # a BN mode may return a converted model
+    per_rank = -(-len(x) // ranks.world)  # a DistributedSampler's share (padded)
+    return _Run(config, model, net, ranks, acc, x.to(device), y.to(device), x_test.to(device),
+                y_test.to(device), device, MetricsWriter(config.out if ranks.main else None), log,
+                weighted=per_rank % config.micro_batch != 0,
+                autocast=(lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16
+                else nullcontext)
 
 
 def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     """One pass over the shuffled training set. Returns (the window losses, seconds)."""
-    cfg, acc, model = run.config, run.acc, run.model
-    n, micro = len(run.x), cfg.micro_batch
-    size = math.ceil(n / micro)
+    cfg, acc, model, world = run.config, run.acc, run.net, run.ranks.world
     # The order depends on the seed and epoch only, so every micro x steps setting sees the same
-    # items in the same order: a window of 32x2 holds exactly the items of one batch of 64.
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-    order = order.to(run.device)
+    # items in the same order: a window of 32x2 holds exactly the items of one batch of 64 (and
+    # so does one of 16x2 on each of 2 ranks: see gradaccum.demos.distributed).
+    order = epoch_order(len(run.x), cfg.seed, epoch, run.ranks).to(run.device)
+    n, micro = len(order), cfg.micro_batch
+    size = math.ceil(n / micro)
     # Window losses stay on the device until the epoch ends: no host sync per window.
     losses: list[torch.Tensor] = []
     samples: list[int] = []
-    bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not cfg.progress, leave=False,
+    bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not (cfg.progress and run.ranks.main), leave=False,
                unit="mb", mininterval=0.5)
     write = bar.write if cfg.progress else run.log
     start = time.perf_counter()
     for i in range(size):
         idx = order[i * micro:(i + 1) * micro]
-        loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
+        with run.autocast():
+            loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
         acc.backward(loss, n_items=len(idx) if run.weighted else None)
         if acc.micro_step == 0 and acc.window_loss is not None:  # a window was applied
             losses.append(acc.window_loss)
-            samples.append(min(n, (i + 1) * micro))
+            samples.append(min(n, (i + 1) * micro) * world)
         if i % cfg.log_every == 0:
             shown = float(losses[-1] if losses else loss.detach())
             write(f"loss: {shown:>7f}  [{i:>3d}/{size:>3d}]")
@@ -118,12 +147,17 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
         bar.update(1)
     if cfg.end_of_epoch == "flush" and acc.flush() and acc.window_loss is not None:
         losses.append(acc.window_loss)
-        samples.append(n)
+        samples.append(n * world)
     seconds = time.perf_counter() - start
     bar.close()
     values = torch.stack(losses).tolist() if losses else []
-    run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n + k for k in samples], losses=values)
+    run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n * world + k for k in samples],
+                       losses=values)
     return values, seconds
+
+
+def _quiet(line: str) -> None:
+    """Drop a line (ranks other than 0)."""
 
 
 def run_torch(config: TrainConfig, log: Log = print) -> RunResult:
@@ -131,7 +165,9 @@ def run_torch(config: TrainConfig, log: Log = print) -> RunResult:
 
     Prints the seed's lines (``loss: x  [i/size]`` every ``log_every`` micro-batches, showing the
     last window's loss, and ``Test: Accuracy: x%, Avg loss: y`` per epoch), writes
-    ``metrics.jsonl`` into ``config.out`` when given, and returns the per-epoch results.
+    ``metrics.jsonl`` into ``config.out`` when given, and returns the per-epoch results. Inside
+    an initialized process group (``gradaccum train`` under torchrun) every rank trains its
+    DistributedSampler share through DDP; rank 0 prints and writes.
 
     Args:
         config: the settings.
@@ -140,6 +176,8 @@ def run_torch(config: TrainConfig, log: Log = print) -> RunResult:
     Returns:
         The run's results, with the final parameters as numpy arrays.
     """
+    if not current_ranks().main:
+        log = _quiet  # rank 0 prints for all (window losses and the model agree on every rank)
     run = _setup(config, log)
     result = RunResult(config)
     start = time.perf_counter()

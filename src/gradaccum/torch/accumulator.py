@@ -10,17 +10,20 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.errors import check_nonneg_int
-from gradaccum.torch.grads import grads_of, scale_and_clip_
-from gradaccum.torch.precision import active_scaler, scaler_found_inf
+from gradaccum.core.errors import check_nonneg_int, check_positive_int
+from gradaccum.torch.grads import scale_and_clip_
+from gradaccum.torch.hooks import HookList
+from gradaccum.torch.precision import Precision
 from gradaccum.torch.state import (
     FORMAT_VERSION,
     check_state,
     param_signature,
     restore_grads,
     snapshot_grads,
+    window_from_state,
+    window_state,
 )
-from gradaccum.torch.sync import GradSync, make_sync
+from gradaccum.torch.sync import GradSync, SyncMode, make_sync
 from gradaccum.torch.validate import check_items, check_loss, check_parts
 
 __all__ = ["Accumulator", "MicroBatch"]
@@ -38,16 +41,32 @@ class Accumulator:
 
     Normalization: without ``n_items`` the window's gradient is the mean of its micro-batch
     gradients (a flushed window of r micro-batches is the mean over r); with ``n_items`` on every
-    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP.
+    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP
+    and FSDP2 (every rank must feed the same number of micro-batches per window).
 
     Args:
         optimizer: the ``torch.optim.Optimizer`` to step once per window.
         steps: micro-batches per window: an int, or a schedule (a mapping ``{optimizer_step: N}``,
             a callable, or a :class:`gradaccum.Schedule`) read when each window opens.
-        model: the model; a ``DistributedDataParallel`` module gets one gradient sync per window.
+        model: the model the forward runs through; a ``DistributedDataParallel`` or FSDP2
+            (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         scheduler: an LR scheduler, stepped once per optimizer step.
-        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
+        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`. Each
+            micro-batch's backward is scaled; the window's gradients are unscaled once, at the
+            boundary; a window with an inf or NaN gradient is skipped whole (see below).
+        accum_dtype: ``torch.float32`` to sum the gradients of bf16/fp16 parameters in float32
+            buffers (one per such parameter, allocated on first use), normalized and clipped in
+            float32 and cast into ``.grad`` once per window. Not under DDP/FSDP (ValueError).
+        skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN (one
+            foreach norm pass per window, none when ``clip_norm`` already computes it).
+        sync: when a distributed ``model`` reduces gradients: ``"window"`` (once per window, on
+            its last backward) or ``"micro_batch"`` (every backward; FSDP2 then holds only
+            sharded gradients). No effect on a single process.
+
+    A skipped window (scaler found an inf, or ``skip_nonfinite``) leaves the parameters and the
+    optimizer untouched, does not step the scheduler, clears the gradients, adds one to
+    :attr:`skipped_windows` (not to :attr:`optimizer_steps`) and makes :meth:`backward` return False.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -62,6 +81,8 @@ class Accumulator:
         [False, True, False, True]
     """
 
+    _window: Window
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -71,25 +92,31 @@ class Accumulator:
         clip_norm: float | None = None,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        accum_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
+        sync: SyncMode = "window",
     ) -> None:
         schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
+                                    skip_nonfinite=skip_nonfinite, model=model)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
         self.optimizer = optimizer
         self.model = model
         self.scheduler = scheduler
         self.scaler = scaler
         self.schedule: Schedule = schedule
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._sync: GradSync = make_sync(model)
-        self._hooks: dict[int, BoundaryHook] = {}
+        self._params = params
+        self._sync: GradSync = make_sync(model, sync)
+        self._hooks = HookList()
+        self._discard_hooks = HookList()
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
         self.window_loss: torch.Tensor | None = None
         self.grad_norm: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []  # scaled micro-batch losses, summed at the boundary
-        self._scaler = active_scaler(scaler)
         self._open_window()
 
     # ------------------------------------------------------------------ counters
@@ -107,6 +134,15 @@ class Accumulator:
     def windows(self) -> int:
         """Windows applied so far: optimizer steps plus windows skipped for non-finite grads."""
         return self.optimizer_steps + self.skipped_windows
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the window's gradients are averaged over (1 without DDP/FSDP2).
+
+        Check a configuration with
+        ``gradaccum.check_batch_sizes(global_batch, micro_batch, acc.steps, acc.world_size)``.
+        """
+        return self._sync.world_size
 
     # ------------------------------------------------------------------ feeding
     def backward(self, loss: torch.Tensor, n_items: Any = None) -> bool:
@@ -157,26 +193,65 @@ class Accumulator:
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
 
+        Under DDP or FSDP2 (``sync="window"``) every rank must call it: it reduces the window's
+        gradients itself, since none of its backwards did.
+
         Returns:
             True when the optimizer stepped; False when nothing was pending (or the window was
             skipped for non-finite gradients).
+
+        Raises:
+            ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
+                every rank, before anything changes).
         """
+        self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
             return False
-        self._sync.sync_partial(self._params)
         return self._apply()
 
     def discard(self) -> None:
-        """Drop the partial window: gradients set to None, counters back to the window's start."""
+        """Drop the partial window: gradients set to None, counters back to the window's start.
+
+        Then calls the hooks of :meth:`register_discard_hook` (window state kept outside).
+        """
         self.optimizer.zero_grad(set_to_none=True)
+        self._sync.discard()
+        self._precision.clear()
         self._losses = []
         self._open_window()
+        self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch schedule the epoch; an empty window takes the new N at once."""
+        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
+
+        Call it before the epoch's first micro-batch. An empty window takes the new N at once; a
+        window carried over from the previous epoch keeps its N until its boundary.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an integer >= 0.
+        """
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
             self._open_window()
+
+    def resize_window(self, steps: int) -> None:
+        """Give the current, empty window another size: ``steps`` micro-batches complete it.
+
+        For a caller that learns a window's size only when its data arrives, such as
+        :class:`gradaccum.AutoBatch` (one global batch split into ``steps`` micro-batches). Under
+        DDP the last of them still carries the window's single gradient sync. The schedule is
+        read again when the next window opens.
+
+        Raises:
+            TypeError, ValueError: ``steps`` is not an integer >= 1, or the window already holds
+                micro-batches; nothing changes then.
+        """
+        n = check_positive_int("steps", steps)
+        if not self._window.empty:
+            raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
+                             f"{self.micro_step} of {self.steps} micro-batches")
+        self._window = self._window.resized(n)
+        self._sync.prepare(self._window.next_is_last)
 
     def register_boundary_hook(self, hook: BoundaryHook) -> RemovableHandle:
         """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
@@ -184,9 +259,18 @@ class Accumulator:
         Returns:
             A handle whose ``remove()`` unregisters the hook.
         """
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
-        return handle
+        return self._hooks.register(hook)
+
+    def register_discard_hook(self, hook: BoundaryHook) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after :meth:`discard` drops a partial window.
+
+        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
+        which a discarded window must not leave behind.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._discard_hooks.register(hook)
 
     # ------------------------------------------------------------------ internals
     def _schedule_count(self) -> int:
@@ -200,7 +284,7 @@ class Accumulator:
         check_loss(loss)
         factor = self._window.loss_factor(n)
         scaled = loss if isinstance(factor, float) and factor == 1.0 else loss * factor
-        (scaled if self._scaler is None else self._scaler.scale(scaled)).backward()
+        self._precision.backward(scaled)
         # Kept as a list (an append, no tensor op per micro-step); summed at the boundary.
         self._losses.append(scaled.detach())
 
@@ -219,12 +303,10 @@ class Accumulator:
         if isinstance(items, torch.Tensor):
             items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
         loss_sum, items = self._sync.reduce_window(self._loss_sum(), items)
-        scaler = self._scaler
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
+        grads = self._precision.window_grads()
         factor = window.grad_factor(items)
-        self.grad_norm = scale_and_clip_(grads_of(self._params), factor, self.clip_norm)
-        stepped = self._step(scaler)
+        norm = scale_and_clip_(grads, factor, self.clip_norm)
+        stepped, self.grad_norm = self._precision.step(grads, norm)
         if stepped:
             self.optimizer_steps += 1
             if self.scheduler is not None:
@@ -232,10 +314,13 @@ class Accumulator:
         else:
             self.skipped_windows += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._precision.clear()
         self.window_loss = None if loss_sum is None else loss_sum * factor
         self._losses = []
-        for hook in list(self._hooks.values()):
-            hook(self)
+        # Emptied before the hooks and the schedule run: should either raise, the applied window
+        # must not be applied a second time by the next micro-batch.
+        self._window = Window(window.size)
+        self._hooks(self)
         self._open_window()
         return stepped
 
@@ -244,39 +329,32 @@ class Accumulator:
             return None
         return self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
 
-    def _step(self, scaler: torch.amp.GradScaler | None) -> bool:
-        if scaler is None:
-            self.optimizer.step()
-            return True
-        found_inf = scaler_found_inf(scaler, self.optimizer)
-        scaler.step(self.optimizer)
-        scaler.update()
-        return not found_inf
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """All a bit-exact resume in the middle of a window needs.
 
         Returns:
             A dict of counters, the window (size, micro-step, weighting, item total), the loss
-            sum and copies of the partial gradients. Save it beside the model's and optimizer's.
+            sum and copies of the partial gradients (and of the float32 buffers under
+            ``accum_dtype``). Save it beside the model's and optimizer's.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
+                live unsharded inside FSDP2, out of reach (save at ``micro_step == 0``).
         """
-        items = self._window.items
+        if not self._window.empty:
+            self._sync.check_saveable()
         return {
             "version": FORMAT_VERSION,
             "steps": self.schedule.describe(),
-            "window": {
-                "size": self._window.size,
-                "micro_step": self._window.micro_step,
-                "weighting": self._window.weighting,
-                "items": items.detach().clone() if isinstance(items, torch.Tensor) else items,
-            },
+            "window": window_state(self._window),
             "optimizer_steps": self.optimizer_steps,
             "skipped_windows": self.skipped_windows,
             "epoch": self.epoch,
             "loss_sum": None if (loss_sum := self._loss_sum()) is None else loss_sum.clone(),
             "param_signature": param_signature(self._params),
             "grads": snapshot_grads(self._params),
+            "accum": self._precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,9 +365,10 @@ class Accumulator:
                 ``steps`` or other parameters; nothing is changed then.
         """
         check_state(state, self.schedule.describe(), self._params)
-        w = state["window"]
-        window = Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
+        self._precision.check_state(state.get("accum"))
+        window = window_from_state(state["window"])
         restore_grads(self._params, state["grads"])
+        self._precision.load_state_dict(state.get("accum"))
         self.optimizer_steps = state["optimizer_steps"]
         self.skipped_windows = state["skipped_windows"]
         self.epoch = state["epoch"]

@@ -50,7 +50,8 @@ def scale_and_clip_(
 
     Equivalent to ``scale_grads_(grads, factor)`` followed by
     ``torch.nn.utils.clip_grad_norm_(grads, max_norm)``, but the two multiplications are fused:
-    the norm of the scaled gradients is ``factor`` times the norm of the raw ones.
+    the norm of the scaled gradients is ``factor`` times the norm of the raw ones. FSDP2's
+    sharded (DTensor) gradients are clipped by their global norm over every shard.
 
     Args:
         grads: the gradients, changed in place.
@@ -74,6 +75,11 @@ def scale_and_clip_(
     if not grads:
         return torch.zeros(())
     norm = get_total_norm(grads, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    if full_tensor is not None:
+        # FSDP2's DTensor gradients give a DTensor norm over every shard: read it as a plain
+        # tensor, identical on every rank, so the coefficient below scales every shard alike.
+        norm = full_tensor()
     if not _is_one(factor):
         norm = norm * factor
     # Same coefficient as torch.nn.utils.clip_grad_norm_, so both clip identically.

@@ -1,10 +1,24 @@
-"""Mixed-precision helpers: the GradScaler at the window boundary."""
+"""Mixed precision at the window boundary: GradScaler, float32 accumulation, non-finite skip.
+
+:class:`Precision` is what the accumulator asks, per micro-batch, to scale the loss (a
+``GradScaler``) and fold the gradient into float32 buffers (``accum_dtype``), and, per window, for
+the gradients to normalize (unscaled once) and whether to step. A window with a non-finite
+gradient is dropped whole: the optimizer does not step, the scaler backs off, the gradients are
+cleared by the accumulator and the next window starts clean.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["active_scaler", "scaler_found_inf"]
+import torch
+from torch.nn.utils import get_total_norm
+
+from gradaccum.torch.accum_buffers import WIDE_DTYPES, AccumBuffers
+from gradaccum.torch.grads import grads_of
+
+__all__ = ["Precision", "active_scaler", "scaler_found_inf", "unscale_wide_"]
 
 
 def active_scaler(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
@@ -20,3 +34,183 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     """
     found = scaler._found_inf_per_device(optimizer)
     return any(bool(v.item()) for v in found.values())
+
+
+def unscale_wide_(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor]
+) -> None:
+    """Unscale gradients the optimizer does not hold (float32 buffers) and record their infs.
+
+    Call it right after ``scaler.unscale_(optimizer)``. The buffers are unscaled in float32 by the
+    kernel ``unscale_`` uses, and their found-inf flags are added to the ones ``scaler.step`` and
+    ``scaler.update`` read for ``optimizer``: a non-finite buffer skips the step and backs the scale
+    off exactly as a non-finite ``.grad`` would. This writes the scaler's per-optimizer record (a
+    private structure; the tests pin the behaviour against the installed torch).
+    """
+    if not grads:
+        return
+    scale = scaler._get_scale_async()
+    assert scale is not None  # unscale_ has run, so the scale exists
+    inv_scale = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    record = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    for device, group in by_device.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
+        if device in record:
+            record[device] += found
+        else:
+            record[device] = found
+
+
+def _distributed_wrapper(model: Any, params: Sequence[torch.Tensor]) -> str | None:
+    """The name of a data-parallel wrapper that reduces ``.grad`` itself, or None."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
+        return type(model).__name__
+    if any(isinstance(p, DTensor) for p in params):
+        return "DTensor parameters (FSDP2)"
+    return None
+
+
+class Precision:
+    """The mixed-precision policy of one accumulator (built by it from its keyword options).
+
+    Args:
+        optimizer: the accumulator's optimizer.
+        params: its parameters, in order.
+        scaler: a ``torch.amp.GradScaler`` or None.
+        accum_dtype: ``torch.float32`` (or ``float64``) to accumulate narrower parameters'
+            gradients in that dtype; None accumulates in ``.grad``.
+        skip_nonfinite: without an active scaler, skip a window whose gradient norm is not finite.
+        model: the accumulator's model, to refuse ``accum_dtype`` under DDP/FSDP.
+
+    Raises:
+        TypeError: ``accum_dtype`` is not a ``torch.dtype``, or ``skip_nonfinite`` not a bool.
+        ValueError: ``accum_dtype`` is not float32/float64, or narrower parameters are wrapped in
+            DDP or FSDP: those reduce each backward's ``.grad`` themselves, so they would reduce one
+            micro-batch's bf16 gradient instead of the float32 sum held outside ``.grad``.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+        >>> p = Precision(torch.optim.SGD([w], lr=1.0), [w], scaler=None,
+        ...               accum_dtype=torch.float32, skip_nonfinite=True)
+        >>> len(p.buffers)
+        1
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None,
+        accum_dtype: torch.dtype | None,
+        skip_nonfinite: bool,
+        model: Any = None,
+    ) -> None:
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+        buffers = None if accum_dtype is None else AccumBuffers(params, _check_accum_dtype(accum_dtype))
+        if buffers:
+            wrapper = _distributed_wrapper(model, params)
+            if wrapper is not None:
+                raise ValueError(
+                    f"accum_dtype={accum_dtype} is not supported under {wrapper}: it reduces each "
+                    "backward's .grad itself, so it would reduce one micro-batch's low-precision "
+                    "gradient, not the wide sum; keep float32 master parameters (autocast, or "
+                    "FSDP's MixedPrecisionPolicy) instead")
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._scaler = active_scaler(scaler)  # read once: the per-micro-step path stays a branch
+        self.skip_nonfinite = skip_nonfinite
+        self.buffers = buffers if buffers else None
+        wide = set() if self.buffers is None else {id(p) for p in self.buffers.params}
+        self._native = [p for p in params if id(p) not in wide]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch's (already weighted) loss, scaled by an active scaler, then
+        fold narrow gradients into the wide buffers: the only per-micro-step work here."""
+        scaler = self._scaler
+        (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+        if self.buffers is not None:
+            self.buffers.collect()
+
+    def window_grads(self) -> list[torch.Tensor]:
+        """At the boundary: the window's gradients, unscaled once, ready to normalize and clip."""
+        grads = grads_of(self._native)
+        wide = [] if self.buffers is None else self.buffers.grads()
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+            unscale_wide_(scaler, self.optimizer, wide)
+        return grads + wide
+
+    def step(self, grads: Sequence[torch.Tensor], norm: torch.Tensor | None) -> tuple[bool, Any]:
+        """Step the optimizer unless the window's gradient is non-finite.
+
+        Args:
+            grads: the normalized, clipped window gradients (from :meth:`window_grads`).
+            norm: their global L2 norm if clipping computed it, else None.
+
+        Returns:
+            ``(stepped, norm)``: ``norm`` is computed here (one foreach pass) when the non-finite
+            check needs it and clipping did not.
+        """
+        scaler = self._scaler
+        if scaler is not None:
+            found_inf = scaler_found_inf(scaler, self.optimizer)
+            if not found_inf:
+                self._publish()
+            scaler.step(self.optimizer)
+            scaler.update()
+            return not found_inf, norm
+        if self.skip_nonfinite and grads:
+            if norm is None:
+                norm = get_total_norm(grads, foreach=True)
+            if not bool(torch.isfinite(norm)):
+                return False, norm
+        self._publish()
+        self.optimizer.step()
+        return True, norm
+
+    def _publish(self) -> None:
+        if self.buffers is not None:
+            self.buffers.publish()
+
+    def clear(self) -> None:
+        """Forget the window's wide gradients (after a boundary or a discard)."""
+        if self.buffers is not None:
+            self.buffers.clear()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The wide buffers' state, or None without ``accum_dtype``."""
+        return None if self.buffers is None else self.buffers.state_dict()
+
+    def check_state(self, state: Any) -> None:
+        """Raise ValueError unless ``state`` (from :meth:`state_dict`) fits; changes nothing."""
+        if self.buffers is not None:
+            self.buffers.check_state(state)
+        elif state is not None:
+            raise ValueError(f"state was saved with accum_dtype={state.get('dtype')}, this "
+                             "accumulator has none")
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore the wide buffers (after :meth:`check_state`)."""
+        if self.buffers is not None:
+            self.buffers.load_state_dict(state)
+
+
+def _check_accum_dtype(accum_dtype: Any) -> torch.dtype:
+    if not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
+    if accum_dtype not in WIDE_DTYPES:
+        raise ValueError(f"accum_dtype must be torch.float32 or torch.float64, got {accum_dtype}")
+    return accum_dtype

@@ -1,0 +1,140 @@
+"""``gradaccum check``: is accumulation exactly equivalent to the full batch for this model?
+
+Exit code 0 when it is (within the tolerance), 1 when it is not, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["add_parser", "load_factory", "parse_shape"]
+
+DTYPES = ("float64", "float32")
+
+
+def load_factory(spec: str) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
+    """Resolve ``--model``: a demo model name or an importable ``module:factory``.
+
+    Args:
+        spec: ``mlp``, ``cnn``, ``cnn-bn``, ``bench-cnn``, or ``package.module:function`` (a
+            callable with no required argument that returns an ``nn.Module``; the current
+            directory is importable).
+
+    Returns:
+        The factory, and the demo model's input shape (``None`` for a user factory).
+
+    Raises:
+        ValueError: neither a demo name nor ``module:factory``, or the attribute is missing.
+        ImportError: the module cannot be imported.
+        TypeError: the attribute is not callable.
+
+    Example:
+        >>> load_factory("mlp")[1]
+        (1, 28, 28)
+    """
+    from gradaccum.demos.models import MODELS
+
+    if spec in MODELS:
+        factory, shape = MODELS[spec]
+        return factory, shape
+    if spec.count(":") != 1:
+        raise ValueError(f"--model must be one of {sorted(MODELS)} or 'module:factory', got {spec!r}")
+    module_name, attr = spec.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--model {spec!r} is a {type(obj).__name__}, not a callable factory")
+    return obj, None
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``--input-shape``: one sample's shape, ``"1,28,28"``.
+
+    Raises:
+        ValueError: not comma-separated integers >= 1.
+
+    Example:
+        >>> parse_shape("3, 64, 64")
+        (3, 64, 64)
+    """
+    try:
+        shape = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"--input-shape must be integers like 1,28,28, got {text!r}") from None
+    if any(n < 1 for n in shape):
+        raise ValueError(f"--input-shape must be integers >= 1, got {text!r}")
+    return shape
+
+
+def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tuple[Any, Any]:
+    """The sample (a batch or an input shape) and the targets (or None)."""
+    import torch
+
+    if args.sample is not None:
+        loaded = torch.load(args.sample, weights_only=True)
+        if isinstance(loaded, dict):
+            return loaded["inputs"], loaded.get("targets")
+        return loaded, None
+    if args.input_shape is not None:
+        return parse_shape(args.input_shape), None
+    if demo_shape is None:
+        raise ValueError("give --input-shape or --sample for a model that is not a demo model")
+    return demo_shape, None
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradaccum.torch.checker import check_equivalence
+
+    try:
+        factory, demo_shape = load_factory(args.model)
+        sample, targets = _sample(args, demo_shape)
+        report = check_equivalence(
+            factory, sample, args.steps, micro_batch=args.micro_batch, targets=targets,
+            loss=args.loss, dtype=getattr(torch, args.dtype), atol=args.atol, rtol=args.rtol,
+            seed=args.seed, device=args.device, label=args.model,
+        )
+    except (ValueError, TypeError, ImportError, KeyError, OSError) as err:
+        print(f"gradaccum check: error: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.equivalent else 1
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``check``."""
+    p = sub.add_parser(
+        "check", help="is accumulation exact for a model? (full batch against N micro-batches)",
+        description="Run one SGD step on a full batch and on N micro-batches from the same weights "
+                    "and RNG state; compare every parameter and buffer; name the modules that "
+                    "break equivalence and the gradaccum fix. Exit code 0: equivalent, 1: not, "
+                    "2: usage error.")
+    p.add_argument("--model", required=True,
+                   help="a demo model (mlp, cnn, cnn-bn, bench-cnn) or an importable module:factory")
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 1,28,28 (random normal inputs)")
+    p.add_argument("--sample", help="a torch.save'd batch: a tensor, a tuple of tensors, or "
+                                    "{'inputs': ..., 'targets': ...}")
+    p.add_argument("--steps", type=int, default=4, help="micro-batches per window, N (default 4)")
+    p.add_argument("--micro-batch", type=int, default=8,
+                   help="samples per micro-batch with --input-shape (default 8)")
+    p.add_argument("--loss", choices=("mse", "cross-entropy"), default="mse",
+                   help="loss against random targets (default mse)")
+    p.add_argument("--dtype", choices=DTYPES, default="float64",
+                   help="run in this dtype (default float64: differences stand far above rounding)")
+    p.add_argument("--atol", type=float, help="absolute tolerance (default 1e-12 float64, 1e-6 float32)")
+    p.add_argument("--rtol", type=float,
+                   help="tolerance relative to the largest update (default 1e-9 float64, 1e-4 float32)")
+    p.add_argument("--seed", type=int, default=0, help="weights, inputs and RNG state (default 0)")
+    p.add_argument("--device", default="cpu", help="where to run (default cpu)")
+    p.set_defaults(func=_run)

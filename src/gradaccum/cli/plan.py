@@ -1,0 +1,184 @@
+"""``gradaccum plan``: what a training step needs in memory, and the micro-batch x steps that fit.
+
+Probe windows at two micro-batch sizes measure the peak; the line through them predicts the
+peak at any micro-batch, and with a global batch and a budget, the recommendation. ``--check M``
+measures the real peak at a micro-batch the probes did not use and prints both numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "load_model"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+RECOMMENDED = 0  # --check without a size: check the recommendation
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
+    """Build a model from a demo name or an importable ``module:factory`` (as ``gradaccum check``).
+
+    Returns:
+        ``(model, sample_shape)``; the shape is known for the demo models, else ``None``.
+
+    Raises:
+        ValueError, TypeError, ImportError: see :func:`gradaccum.cli.check.load_factory`; also a
+            factory that returns something other than an ``nn.Module``.
+
+    Example:
+        >>> model, shape = load_model("bench-cnn")
+        >>> shape
+        (3, 64, 64)
+    """
+    import torch
+
+    from gradaccum.cli.check import load_factory
+
+    factory, shape = load_factory(spec)
+    torch.manual_seed(seed)
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model, shape
+
+
+def _optimizer(name: str, params: Any) -> Any:
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
+
+
+def _table(est: Any, sizes: list[int], budget: int | None) -> list[str]:
+    from gradaccum.core.memory import format_bytes
+
+    lines = [f"  {'micro-batch':>11}  {'predicted peak':>14}" + ("  fits" if budget else "")]
+    for m in sizes:
+        fits = ("  yes" if est.peak(m) <= budget else "  no") if budget else ""
+        lines.append(f"  {m:>11}  {format_bytes(est.peak(m)):>14}{fits}")
+    return lines
+
+
+def _check(est: Any, model: Any, optimizer: Any, shape: tuple[int, ...], micro: int, steps: int) -> None:
+    from gradaccum.core.memory import format_bytes
+    from gradaccum.torch.memory_probe import measure_peak
+
+    measured = measure_peak(model, optimizer, shape, micro, steps=steps)
+    predicted = est.peak(micro)
+    print(f"check at micro-batch {micro} x {steps} steps: predicted {format_bytes(predicted)} "
+          f"({predicted} B), measured {format_bytes(measured)} ({measured} B), "
+          f"error {100 * (predicted - measured) / measured:+.1f}%")
+
+
+def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | None]:
+    """The model on its device, the sample shape, the device and the budget; ValueError if bad."""
+    import torch
+
+    from gradaccum.cli.check import parse_shape
+    from gradaccum.core.memory import parse_bytes
+
+    budget = None if args.budget is None else parse_bytes(args.budget)
+    if args.probe[0] == args.probe[1]:
+        raise ValueError(f"--probe needs two different micro-batch sizes, got {args.probe}")
+    model, default_shape = load_model(args.model, args.seed)
+    shape = default_shape if args.input_shape is None else parse_shape(args.input_shape)
+    if shape is None:
+        raise ValueError(f"--input-shape is required for model {args.model!r}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if budget is None and device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[1])
+    if args.check == RECOMMENDED and not (args.global_batch and budget):
+        raise ValueError("--check without a size checks the recommendation, which needs "
+                         "--global-batch and --budget (or a CUDA device)")
+    return model.to(device=device, dtype=getattr(torch, args.dtype)), shape, device, budget
+
+
+def _report(args: argparse.Namespace, est: Any, model: Any, shape: tuple[int, ...], device: Any,
+            budget: int | None) -> None:
+    from gradaccum.core.memory import format_bytes
+
+    n_params = sum(p.numel() for p in model.parameters())
+    m1, m2 = args.probe
+    print(f"gradaccum plan: {args.model} ({n_params:,} parameters), input "
+          f"{'x'.join(map(str, shape))}, {args.optimizer}, {args.dtype}, {device}")
+    for label, value, note in (
+            ("parameters+buffers", est.param_bytes, ""),
+            ("gradients", est.grad_bytes, ""),
+            ("optimizer state", est.optimizer_bytes, ""),
+            ("activations", est.activation_bytes_per_sample,
+             f" per sample (probe windows of 2 micro-batches at {m1} and {m2})"),
+            ("other", est.overhead_bytes, ""),
+            ("optimizer step", est.update_peak_bytes, " peak, whatever the micro-batch"),
+            ("floor", est.floor, " (micro-batch 1)")):
+        print(f"  {label:<18} {format_bytes(value):>10}{note}")
+    top = max(args.global_batch or 256, m2)
+    print("\n".join(_table(est, [2**i for i in range(top.bit_length())], budget)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gradaccum.core.memory import format_bytes
+    from gradaccum.torch.memory_probe import estimate_memory
+
+    try:
+        model, shape, device, budget = _setup(args)
+    except (ValueError, TypeError, ImportError) as error:
+        print(f"gradaccum plan: error: {error}", file=sys.stderr)
+        return 2
+    optimizer = _optimizer(args.optimizer, model.parameters())
+    est = estimate_memory(model, optimizer, shape, tuple(args.probe))
+    _report(args, est, model, shape, device, budget)
+    check = None if args.check in (None, RECOMMENDED) else (args.check, args.check_steps)
+    if args.global_batch and budget:
+        try:
+            micro, steps = est.recommend(args.global_batch, budget)
+        except ValueError as error:
+            print(f"gradaccum plan: error: {error}", file=sys.stderr)
+            return 2
+        print(f"recommended for global batch {args.global_batch} under {format_bytes(budget)}: "
+              f"micro-batch {micro} x {steps} steps (predicted peak {format_bytes(est.peak(micro))})")
+        check = (micro, steps) if args.check == RECOMMENDED else check
+    if check is not None:
+        _check(est, model, optimizer, shape, *check)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``plan``."""
+    p = sub.add_parser("plan", help="predict memory per micro-batch; recommend micro-batch x steps",
+                       description=__doc__)
+    p.add_argument("--model", default="bench-cnn",
+                   help="a demo model (mlp, cnn, cnn-bn, bench-cnn) or module:factory (default bench-cnn)")
+    p.add_argument("--input-shape", default=None,
+                   help="one sample's shape, e.g. 3,64,64 (default: the demo model's)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the parameters' dtype")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--probe", type=_positive_int, nargs=2, default=[4, 8], metavar=("M1", "M2"),
+                   help="the two probe micro-batch sizes (default 4 8)")
+    p.add_argument("--global-batch", type=_positive_int, default=None,
+                   help="the batch to reach (micro-batch x steps) for a recommendation")
+    p.add_argument("--budget", default=None,
+                   help="memory budget, e.g. 512MiB or 2GB (default on CUDA: the device's memory)")
+    p.add_argument("--check", type=_positive_int, nargs="?", const=RECOMMENDED, default=None,
+                   metavar="M", help="also measure the real peak, at the recommended micro-batch x "
+                   "steps (or at micro-batch M), and print it beside the prediction")
+    p.add_argument("--check-steps", type=_positive_int, default=4,
+                   help="micro-batches in a --check M window (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)

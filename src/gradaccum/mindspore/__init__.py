@@ -1,0 +1,19 @@
+"""The MindSpore adapter: the same exact accumulation as the PyTorch one, inside a compiled graph.
+
+Needs MindSpore 2.10 and NumPy 1.x, kept out of the default install: ``pip install
+'gradaccum[mindspore]'``. ``import gradaccum`` never imports this package.
+"""
+
+try:
+    # A plain ``import mindspore`` can succeed on a bare namespace package (a folder named
+    # mindspore on sys.path); only the real package has a version.
+    from mindspore import __version__ as _mindspore_version  # noqa: F401
+except ImportError as err:
+    raise ImportError(
+        "gradaccum.mindspore needs MindSpore: install the extra with "
+        f"pip install 'gradaccum[mindspore]' (importing mindspore failed: {err})"
+    ) from err
+
+from gradaccum.mindspore.accumulator import Accumulator
+
+__all__ = ["Accumulator"]

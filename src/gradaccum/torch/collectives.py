@@ -1,0 +1,97 @@
+"""The base of the distributed syncs: the few collectives they need, over the data-parallel ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from gradaccum.torch.sync import SyncMode, check_sync_mode
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["RankGroups"]
+
+
+class RankGroups:
+    """Collectives over the process groups that together span the data-parallel ranks.
+
+    A 1-D layout has one group; an FSDP2 mesh has one per dimension, and reducing over each in
+    turn reduces over the whole mesh. Subclasses add ``prepare`` and ``sync_partial``.
+
+    Args:
+        groups: the process groups.
+        device: where the small reduction tensors live (the parameters' device).
+        mode: ``"window"`` or ``"micro_batch"``.
+    """
+
+    def __init__(self, groups: Sequence[ProcessGroup], device: torch.device, mode: SyncMode) -> None:
+        self.groups = list(groups)
+        # The one group of a 1-D layout, for callers that run their own collective (AutoBatch).
+        self.group = self.groups[0] if len(self.groups) == 1 else None
+        self.device = device
+        self.mode = check_sync_mode(mode)
+        self.world_size = math.prod(dist.get_world_size(g) for g in self.groups)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+        for group in self.groups:
+            dist.all_reduce(tensor, op=op, group=group)
+
+    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
+        """Average the loss sum and the item total over ranks in a single all-reduce.
+
+        Gradients are averaged over ranks (DDP and FSDP2 divide by the world size), so the
+        averaged item total is the divisor that turns them into the global item-weighted mean.
+        """
+        values = [loss_sum, items]
+        present = [v for v in values if v is not None]
+        if not present:
+            return loss_sum, items
+        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
+                           for v in present])
+        self.all_reduce(vec)
+        vec.div_(self.world_size)
+        out = iter(vec.unbind())
+        loss = None if loss_sum is None else next(out)
+        if isinstance(loss_sum, torch.Tensor) and loss is not None:
+            loss = loss.to(loss_sum.dtype)
+        return loss, None if items is None else next(out)
+
+    def agree_on_length(self, micro_steps: int, has_grad: Sequence[bool] = ()) -> list[bool] | None:
+        """One MAX all-reduce of ``[has_grad..., r, -r]`` before a flushed window is reduced.
+
+        Returns:
+            For each entry of ``has_grad``, whether any rank has that gradient; ``None`` when the
+            window is empty on every rank (nothing to reduce).
+
+        Raises:
+            ValueError: the ranks hold windows of different lengths. Every rank sees the same
+                reduced values, so every rank raises (none is left waiting in a collective).
+        """
+        *anyone, longest, minus_shortest = self.max_over_ranks(
+            [*map(int, has_grad), micro_steps, -micro_steps])
+        if longest != -minus_shortest:
+            raise ValueError(
+                f"flush(): the ranks hold partial windows of different lengths (from "
+                f"{-minus_shortest} to {longest} micro-batches); every rank must feed the same "
+                "number of micro-batches per window, as DDP and FSDP require (a DistributedSampler "
+                "gives every rank the same number of batches)"
+            )
+        return None if longest == 0 else [n > 0 for n in anyone]
+
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over every data-parallel rank (one MAX
+        all-reduce per process group)."""
+        vec = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        self.all_reduce(vec, op=dist.ReduceOp.MAX)
+        return [int(v) for v in vec.tolist()]
+
+    def check_saveable(self) -> None:
+        """Partial gradients are in ``.grad`` (each rank saves its own accumulator state)."""
+
+    def discard(self) -> None:
+        """Nothing is held outside ``.grad``."""

@@ -1,0 +1,60 @@
+"""Sync control for ``DistributedDataParallel``: one gradient all-reduce per window."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradaccum.torch.collectives import RankGroups
+from gradaccum.torch.sync import SyncMode
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["DDPSync"]
+
+
+class DDPSync(RankGroups):
+    """Sync control for a ``DistributedDataParallel`` module.
+
+    Args:
+        module: the DDP-wrapped model whose forward the user calls.
+        mode: ``"window"`` (all-reduce once per window) or ``"micro_batch"`` (every backward).
+    """
+
+    def __init__(self, module: DistributedDataParallel, mode: SyncMode = "window") -> None:
+        device = next(module.parameters()).device
+        super().__init__([module.process_group], device, mode)
+        self.module = module
+
+    def prepare(self, sync_next: bool) -> None:
+        """Set DDP's flag, read by its next forward (nanoGPT's ``require_backward_grad_sync``)."""
+        self.module.require_backward_grad_sync = sync_next or self.mode == "micro_batch"
+
+    def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
+        """Average the flushed window's gradients over ranks, as DDP's own sync would.
+
+        A parameter without a gradient on this rank contributes zeros; it keeps ``grad=None``
+        only when no rank has a gradient for it (DDP's ``find_unused_parameters`` semantics).
+        Gradients are flattened per dtype: one all-reduce each, after one small agreement.
+        """
+        if self.mode == "micro_batch":
+            return  # every backward already synchronized
+        trainable = [p for p in params if p.requires_grad]
+        used = self.agree_on_length(micro_steps, [p.grad is not None for p in trainable])
+        if used is None:
+            return
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, anyone in zip(trainable, used, strict=True):
+            if anyone:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.setdefault(p.grad.dtype, []).append(p.grad)
+        for group in grads.values():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            self.all_reduce(flat)
+            flat.div_(self.world_size)
+            for g, synced in zip(group, torch.split(flat, [g.numel() for g in group]), strict=True):
+                g.copy_(synced.view_as(g))

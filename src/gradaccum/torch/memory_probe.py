@@ -1,0 +1,196 @@
+"""Measuring a training step's memory: the peaks of a window, and a plan from two probes.
+
+On CUDA the peak is ``torch.cuda.max_memory_allocated``. On the CPU, where torch keeps no such
+counter, it is rebuilt from the profiler's memory events: the bytes alive when the window starts
+(parameters, buffers, gradients, optimizer state) plus the highest running sum of the
+allocations and frees recorded during it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from gradaccum.core import check_positive_int
+from gradaccum.core.memory import MemoryEstimate, fit_line
+
+__all__ = ["estimate_memory", "measure_peak", "tensor_bytes", "window_peaks"]
+
+LossFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared tensor counts once).
+
+    Example:
+        >>> t = torch.zeros(4)
+        >>> tensor_bytes([t, t[:2], None])
+        16
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes([*model.parameters(), *model.buffers(), *_optimizer_tensors(optimizer),
+                         *(p.grad for p in model.parameters())])
+
+
+@contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence the C++ profiler's start/stop lines, written straight to file descriptor 2."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _cpu_peak(run: Callable[[], None], live: int) -> int:
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+              if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    now = high = 0
+    for event in events:
+        now += event.nbytes()
+        high = max(high, now)
+    return live + high
+
+
+def _cuda_peak(run: Callable[[], None], device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def window_peaks(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sample_shape: Sequence[int], micro_batch: int, *, steps: int = 2,
+                 loss_fn: LossFn | None = None) -> tuple[int, int]:
+    """Peak bytes of one training window, in its two phases: the micro-batches, then the update.
+
+    ``steps`` micro-batches of random samples each run forward and backward into ``.grad`` (from
+    the second one on, the gradients are held beside the activations, as in any accumulation;
+    the Accumulator adds no buffer of its own); then the optimizer steps and the gradients are
+    set to None. The update's peak (optimizer temporaries) does not depend on the micro-batch.
+
+    Args:
+        model: the model (on its device, in its dtype); it is trained by this call.
+        optimizer: its optimizer; steps once.
+        sample_shape: the shape of one input sample, e.g. ``(3, 64, 64)``.
+        micro_batch: samples per micro-batch.
+        steps: micro-batches in the window.
+        loss_fn: ``loss_fn(output) -> loss``; default: the mean of the squared outputs.
+
+    Returns:
+        ``(micro_batch_peak, update_peak)``: bytes allocated on the model's device at the highest
+        point of each phase, everything alive included.
+
+    Raises:
+        TypeError, ValueError: ``micro_batch`` or ``steps`` is not an integer >= 1, or the model
+            has no parameters.
+    """
+    m = check_positive_int("micro_batch", micro_batch)
+    n = check_positive_int("steps", steps)
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError("model has no parameters: there is nothing to train")
+    criterion = loss_fn or _square_mean
+
+    def micro_batches() -> None:
+        for _ in range(n):
+            x = torch.randn(m, *sample_shape, device=param.device, dtype=param.dtype)
+            torch.autograd.backward(criterion(model(x)) / n)
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if param.device.type == "cuda":
+        return _cuda_peak(micro_batches, param.device), _cuda_peak(update, param.device)
+    first = _cpu_peak(micro_batches, _live_bytes(model, optimizer))
+    return first, _cpu_peak(update, _live_bytes(model, optimizer))
+
+
+def measure_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sample_shape: Sequence[int], micro_batch: int, *, steps: int = 2,
+                 loss_fn: LossFn | None = None) -> int:
+    """Peak bytes of one training window (see :func:`window_peaks`): the higher of its phases.
+
+    Example:
+        >>> model = torch.nn.Linear(64, 8)
+        >>> peak = measure_peak(model, torch.optim.SGD(model.parameters(), lr=0.1), (64,), 4)
+        >>> peak > 2 * 64 * 8 * 4  # parameters and gradients at least
+        True
+    """
+    return max(window_peaks(model, optimizer, sample_shape, micro_batch, steps=steps, loss_fn=loss_fn))
+
+
+def estimate_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    sample_shape: Sequence[int], probes: tuple[int, int] = (4, 8), *,
+                    loss_fn: LossFn | None = None) -> MemoryEstimate:
+    """Estimate a training step's memory from probe windows at two micro-batch sizes.
+
+    One warm-up window creates the optimizer state; then a window of 2 micro-batches at each
+    probe size gives two peaks of the micro-batch phase, and the line through them the bytes
+    per sample; the update's peak is the higher of the probes'.
+
+    Args:
+        model: the model (on its device, in its dtype); the probes train it: pass a fresh one.
+        optimizer: its optimizer.
+        sample_shape: the shape of one input sample.
+        probes: two different micro-batch sizes.
+        loss_fn: ``loss_fn(output) -> loss``; default: the mean of the squared outputs.
+
+    Returns:
+        A :class:`~gradaccum.MemoryEstimate`; its ``peak(m)`` predicts any micro-batch.
+
+    Raises:
+        TypeError, ValueError: a probe size that is not an integer >= 1, or two equal sizes.
+
+    Example:
+        >>> model = torch.nn.Linear(64, 8)
+        >>> est = estimate_memory(model, torch.optim.Adam(model.parameters()), (64,))
+        >>> est.param_bytes, est.optimizer_bytes
+        (2080, 4168)
+    """
+    m1, m2 = (check_positive_int("probe micro-batch", m) for m in probes)
+    fit_line(m1, 0.0, m2, 0.0)  # rejects equal sizes before any work
+    window_peaks(model, optimizer, sample_shape, m1, loss_fn=loss_fn)
+    (a1, u1), (a2, u2) = (window_peaks(model, optimizer, sample_shape, m, loss_fn=loss_fn)
+                          for m in (m1, m2))
+    slope, intercept = fit_line(m1, a1, m2, a2)
+    params = tensor_bytes([*model.parameters(), *model.buffers()])
+    grads = tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    state = tensor_bytes(_optimizer_tensors(optimizer))
+    return MemoryEstimate(param_bytes=params, grad_bytes=grads, optimizer_bytes=state,
+                          activation_bytes_per_sample=slope,
+                          overhead_bytes=intercept - (params + grads + state),
+                          update_peak_bytes=max(u1, u2))

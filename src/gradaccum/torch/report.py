@@ -1,0 +1,76 @@
+"""The equivalence checker's report as text: settings, a per-tensor table, the verdict, the fixes."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gradaccum.torch.checker import CheckReport
+
+__all__ = ["format_report"]
+
+WIDTH = 100
+
+
+def format_report(report: CheckReport) -> str:
+    """Render a :class:`~gradaccum.torch.checker.CheckReport` as a readable table.
+
+    Returns:
+        The settings, one row per parameter and buffer (max absolute and relative difference),
+        the verdict, and each module that breaks equivalence with its gradaccum fix.
+    """
+    s = report.settings
+    head = (f"gradaccum check: {s['model']} ({s['dtype']}, {s['device']}), one SGD step (lr 1) on a "
+            f"batch of {s['batch']} against {s['steps']} micro-batches of {s['micro_batch']}, from "
+            f"the same weights and RNG state (loss: {s['loss']}). A tensor agrees when "
+            f"max|diff| <= atol + rtol * scale, atol={s['atol']:g}, rtol={s['rtol']:g}; scale: the "
+            "parameter's largest full-batch update, the buffer's largest value.")
+    lines = [*textwrap.wrap(head, WIDTH), "", *_table(report)]
+    worst = max((d.rel for d in report.diffs), default=0.0)
+    bad = sum(not d.ok for d in report.diffs)
+    if report.equivalent:
+        lines += ["", f"EQUIVALENT: all {len(report.diffs)} tensors agree "
+                      f"(largest relative difference {_num(worst)})."]
+    elif bad:
+        lines += ["", f"NOT EQUIVALENT: {bad} of {len(report.diffs)} tensors differ "
+                      f"(largest relative difference {_num(worst)})."]
+    else:
+        lines += ["", *textwrap.wrap(
+            f"NOT EQUIVALENT: all {len(report.diffs)} tensors agree here (largest relative difference "
+            f"{_num(worst)}), but the modules below break equivalence in general: here their random "
+            "draws or buffer updates happened to line up.", WIDTH)]
+    skipped = [d.name for d in report.diffs if d.kind == "param" and not d.updated]
+    if skipped:
+        lines += textwrap.wrap(f"Note: no gradient reached {', '.join(skipped)}: the check says "
+                               "nothing about them.", WIDTH)
+    if report.hazards:
+        lines += ["", "Modules that break equivalence:"]
+        for h in report.hazards:
+            lines.append(f"  {h.module} ({h.kind})")
+            lines += textwrap.wrap(h.problem, WIDTH, initial_indent="    what: ",
+                                   subsequent_indent="          ")
+            lines += textwrap.wrap(h.fix, WIDTH, initial_indent="    fix:  ",
+                                   subsequent_indent="          ")
+    elif not report.equivalent:
+        lines += ["", "No module was named: the difference comes from the loss or from an operation "
+                      "outside any module."]
+    return "\n".join(lines)
+
+
+def _table(report: CheckReport) -> list[str]:
+    header = ("tensor", "kind", "shape", "max abs diff", "rel diff", "agrees")
+    rows = [(d.name, d.kind, "x".join(map(str, d.shape)) or "()", _num(d.max_abs), _num(d.rel),
+             "yes" if d.ok else "NO") for d in report.diffs]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = []
+    for row in [header, *rows]:
+        cells = [c.ljust(w) if i < 3 else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        out.append("  ".join(cells).rstrip())
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return out
+
+
+def _num(x: float) -> str:
+    return "0" if x == 0 else f"{x:.1e}"
