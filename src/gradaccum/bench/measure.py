@@ -3,8 +3,9 @@
 Allocator peak on CPU: the PyTorch profiler with ``profile_memory=True`` records one
 ``[memory]`` event per allocation (positive bytes) and per free (negative bytes), in order. Their
 running sum is the number of bytes the allocator holds for tensors, relative to the start of
-the profile; its maximum is the peak. On CUDA, ``torch.cuda.max_memory_allocated`` gives the
-same quantity directly. Both count tensor memory only (not the Python heap or library code).
+the profile; its maximum is the peak (:func:`gradaccum.torch.memory_probe.cpu_allocations`, shared
+with ``gradaccum plan``). On CUDA, ``torch.cuda.max_memory_allocated`` gives the same quantity
+directly. Both count tensor memory only (not the Python heap or library code).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
+from gradaccum.torch.memory_probe import cpu_allocations, tensor_bytes
+
 __all__ = ["Memory", "Timings", "allocator_memory", "device_sync", "floor_bytes", "interleaved",
-           "minor_faults", "tensor_bytes"]
+           "minor_faults"]
 
 T = TypeVar("T")
 
@@ -35,22 +38,6 @@ class Memory:
 
     peak: int
     end: int
-
-
-def _profiled(fn: Callable[[], T]) -> tuple[T, Memory]:
-    from torch.profiler import DeviceType, ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()  # held until after the profile: what fn keeps is not freed inside it
-    results: Any = prof.profiler.kineto_results if prof.profiler is not None else None
-    events = [e for e in results.events() if e.name() == "[memory]"
-              and e.device_type() == DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())  # stable: events of the same instant keep their order
-    held = peak = 0
-    for event in events:
-        held += event.nbytes()
-        peak = max(peak, held)
-    return result, Memory(peak, held)
 
 
 def allocator_memory(fn: Callable[[], T], device: torch.device) -> tuple[T, Memory]:
@@ -70,7 +57,8 @@ def allocator_memory(fn: Callable[[], T], device: torch.device) -> tuple[T, Memo
         True
     """
     if device.type != "cuda":
-        return _profiled(fn)
+        result, peak, end = cpu_allocations(fn)
+        return result, Memory(peak, end)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -87,17 +75,6 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of every tensor in a (nested) list, tuple or dict."""
-    if isinstance(tensors, torch.Tensor):
-        return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, dict):
-        return sum(tensor_bytes(v) for v in tensors.values())
-    if isinstance(tensors, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tensors)
-    return 0
-
-
 def floor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Parameters + one gradient per trainable parameter + the optimizer's state, in bytes.
 
@@ -105,8 +82,9 @@ def floor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     the optimizer's state exists.
     """
     params = list(model.parameters())
-    grads = sum(tensor_bytes(p) for p in params if p.requires_grad)
-    return tensor_bytes(params) + grads + tensor_bytes(list(optimizer.state.values()))
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return (tensor_bytes(params) + tensor_bytes([p for p in params if p.requires_grad])
+            + tensor_bytes(state))
 
 
 def minor_faults() -> int:

@@ -12,15 +12,17 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from gradaccum.core import check_positive_int
 from gradaccum.core.memory import MemoryEstimate, fit_line
 
-__all__ = ["estimate_memory", "measure_peak", "tensor_bytes", "window_peaks"]
+__all__ = ["cpu_allocations", "estimate_memory", "measure_peak", "tensor_bytes", "window_peaks"]
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 
 
 def _square_mean(out: torch.Tensor) -> torch.Tensor:
@@ -67,12 +69,26 @@ def _quiet_fd2() -> Iterator[None]:
         os.close(devnull)
 
 
-def _cpu_peak(run: Callable[[], None], live: int) -> int:
+def cpu_allocations(run: Callable[[], T]) -> tuple[T, int, int]:
+    """Run ``run`` under the profiler and rebuild the CPU allocator's use from its memory events.
+
+    Each allocation and each free is one ``[memory]`` event (plus or minus its bytes); their
+    running sum is the tensor memory held, relative to when ``run`` started.
+
+    Returns:
+        ``(run's result, peak, end)``: the result (held until after the profile, so that what
+        ``run`` keeps is not freed inside it), the highest running sum and the final one (bytes).
+
+    Example:
+        >>> _, peak, end = cpu_allocations(lambda: torch.zeros(256))
+        >>> peak >= end >= 1024
+        True
+    """
     from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
+        result = run()
     events = [e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
               if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
@@ -80,7 +96,11 @@ def _cpu_peak(run: Callable[[], None], live: int) -> int:
     for event in events:
         now += event.nbytes()
         high = max(high, now)
-    return live + high
+    return result, high, now
+
+
+def _cpu_peak(run: Callable[[], None], live: int) -> int:
+    return live + cpu_allocations(run)[1]
 
 
 def _cuda_peak(run: Callable[[], None], device: torch.device) -> int:
