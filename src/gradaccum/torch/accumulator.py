@@ -114,7 +114,9 @@ class Accumulator:
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
-        self.window_loss: torch.Tensor | None = None
+        self._window_loss: torch.Tensor | None = None
+        # The last window's (loss sum or micro-batch losses, factor), summed when first read.
+        self._pending_loss: tuple[Any, Any] | None = None
         self.grad_norm: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []  # scaled micro-batch losses, summed at the boundary
         self._open_window()
@@ -129,6 +131,23 @@ class Accumulator:
     def steps(self) -> int:
         """Micro-batches that complete the current window (N)."""
         return self._window.size
+
+    @property
+    def window_loss(self) -> torch.Tensor | None:
+        """The last applied window's loss, weighted like its gradient (a 0-dim tensor; ``None``
+        before the first boundary). Under DDP/FSDP2 it is the loss over every rank's items.
+
+        Computed when first read (one sum over the window's micro-batch losses), so a loop
+        that never logs it pays nothing; reading it does not synchronize a GPU.
+        """
+        if self._pending_loss is not None:
+            value, factor = self._pending_loss
+            self._pending_loss = None
+            total = value if isinstance(value, torch.Tensor) or value is None else self._loss_sum(value)
+            if total is not None and not (isinstance(factor, float) and factor == 1.0):
+                total = total * factor
+            self._window_loss = total
+        return self._window_loss
 
     @property
     def windows(self) -> int:
@@ -302,7 +321,10 @@ class Accumulator:
         items = window.items if window.weighting == "items" else None
         if isinstance(items, torch.Tensor):
             items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
-        loss_sum, items = self._sync.reduce_window(self._loss_sum(), items)
+        # One process: the window loss is summed only if someone reads it. Several: it must be
+        # reduced now, in the same collective as the item count.
+        distributed = self._sync.world_size > 1
+        loss_sum, items = self._sync.reduce_window(self._loss_sum() if distributed else None, items)
         grads = self._precision.window_grads()
         factor = window.grad_factor(items)
         norm = scale_and_clip_(grads, factor, self.clip_norm)
@@ -315,7 +337,8 @@ class Accumulator:
             self.skipped_windows += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
-        self.window_loss = None if loss_sum is None else loss_sum * factor
+        self._pending_loss = (loss_sum if distributed else self._losses, factor)
+        self._window_loss = None
         self._losses = []
         # Emptied before the hooks and the schedule run: should either raise, the applied window
         # must not be applied a second time by the next micro-batch.
@@ -324,10 +347,11 @@ class Accumulator:
         self._open_window()
         return stepped
 
-    def _loss_sum(self) -> torch.Tensor | None:
-        if not self._losses:
+    def _loss_sum(self, losses: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        losses = self._losses if losses is None else losses
+        if not losses:
             return None
-        return self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
