@@ -23,7 +23,8 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from gradaccum.core import parse_schedule
-from gradaccum.demos.config import EpochResult, RunResult, TrainConfig
+from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mindspore_models import build_mindspore_model
 from gradaccum.demos.mnist import mnist_tensors
@@ -202,23 +203,10 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
         ValueError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``, torchrun).
     """
     run = _setup(config, log)
-    result = RunResult(config)
-    start = time.perf_counter()
-    try:
-        for epoch in range(1, config.epochs + 1):
-            log(f"Epoch {epoch}\n-------------------------------")
-            window_losses, seconds = _train_epoch(run, epoch)
-            accuracy, test_loss = evaluate(run.model, run.x_test, run.y_test)
-            log(f"Test: Accuracy: {accuracy:>0.1f}%, Avg loss: {test_loss:>8f}\n")
-            epoch_result = EpochResult(
-                epoch=epoch, test_accuracy=accuracy, test_loss=test_loss,
-                train_loss=sum(window_losses) / max(len(window_losses), 1),
-                optimizer_steps=run.acc.optimizer_steps, seconds=seconds,
-                samples_per_s=len(run.x) / seconds, peak_memory_bytes=peak_rss_bytes())
-            result.epochs.append(epoch_result)
-            run.writer.epoch(epoch_result)
-    finally:
-        run.writer.close()
-    result.seconds = time.perf_counter() - start
+    result = run_epochs(
+        config, log, run.writer, train_epoch=lambda epoch: _train_epoch(run, epoch),
+        evaluate=lambda: evaluate(run.model, run.x_test, run.y_test),
+        counters=lambda: (run.acc.optimizer_steps, 0), peak_memory=peak_rss_bytes,
+        train_items=len(run.x))
     result.final_params = [p.asnumpy().copy() for p in run.model.trainable_params()]
     return result
