@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from gradaccum.core import parse_schedule
 from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.distributed import Ranks, epoch_order
 from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mindspore_models import build_mindspore_model
@@ -150,7 +151,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     n, micro = len(run.x), cfg.micro_batch
     size = math.ceil(n / micro)
     # The torch trainer's order (seed and epoch only): both backends see the same windows.
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).numpy()
+    order = epoch_order(n, cfg.seed, epoch, Ranks()).numpy()
     losses: list[float] = []
     samples: list[int] = []
     bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not cfg.progress, leave=False,
