@@ -10,6 +10,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
+from gradaccum.core.checkpoint import window_from_record
 from gradaccum.core.errors import check_nonneg_int, check_positive_int
 from gradaccum.torch.grads import scale_and_clip_
 from gradaccum.torch.hooks import HookList
@@ -20,7 +21,6 @@ from gradaccum.torch.state import (
     param_signature,
     restore_grads,
     snapshot_grads,
-    window_from_state,
     window_state,
 )
 from gradaccum.torch.sync import GradSync, SyncMode, make_sync
@@ -390,7 +390,7 @@ class Accumulator:
         """
         check_state(state, self.schedule.describe(), self._params)
         self._precision.check_state(state.get("accum"))
-        window = window_from_state(state["window"])
+        window = window_from_record(state["window"])
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
         self.optimizer_steps = state["optimizer_steps"]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gradaccum.core import Window
-from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, window_from_record
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
 
 __all__ = ["FORMAT_VERSION", "check_state", "param_signature", "restore_grads", "snapshot_grads",
-           "window_from_state", "window_state"]
+           "window_state"]
 
 
 def param_signature(params: Sequence[torch.Tensor]) -> list[list[Any]]:
@@ -29,11 +29,6 @@ def window_state(window: Window) -> dict[str, Any]:
     items = window.items
     return {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
             "items": items.detach().clone() if isinstance(items, torch.Tensor) else items}
-
-
-def window_from_state(w: Mapping[str, Any]) -> Window:
-    """The window saved by :func:`window_state` (its size validated)."""
-    return window_from_record(w)
 
 
 def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> None:
