@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import gradaccum
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import apply_bn_mode, build_model
 

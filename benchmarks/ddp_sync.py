@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradaccum
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 
 MODES = ("window", "micro_batch")
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import gradaccum
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 
 MODES = ("window", "micro_batch")
 MIB = 2**20

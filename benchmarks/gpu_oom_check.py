@@ -30,10 +30,10 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch
 
 import gradaccum
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 from gradaccum.core.memory import format_bytes
 from gradaccum.demos.models import MODELS, build_model
-from gradaccum.torch.memory_probe import estimate_memory, measure_peak
+from gradaccum.torch.memory.probe import estimate_memory, measure_peak
 
 SHAPE = MODELS["bench-cnn"][1]
 
@@ -74,7 +74,7 @@ def real_oom(device: torch.device, fail_above: int | None, size: int) -> None:
         print(f"   {type(error).__name__}: {str(error).splitlines()[0][:100]}")
         print(f"   gradaccum.is_oom_error: {gradaccum.is_oom_error(error)}")
     del model
-    gradaccum.torch.oom.release_memory()
+    gradaccum.torch.memory.oom.release_memory()
 
 
 def train(device: torch.device, fail_above: int | None, micro: int | str, global_batch: int,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gradaccum import Accumulator
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import build_model
 

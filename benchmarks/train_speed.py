@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from gradaccum.cli.info import describe_machine
+from gradaccum.bench.machine import describe_machine
 from gradaccum.demos.config import TrainConfig
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import build_model

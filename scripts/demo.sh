@@ -4,5 +4,5 @@
 # Extra arguments go to "gradaccum compare", e.g. --epochs 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh demo
 exec .venv/bin/gradaccum compare "$@"

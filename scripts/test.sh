@@ -3,7 +3,7 @@
 # ruff and mypy. Extra arguments go to pytest, e.g. -k accumulator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,mindspore,bench
+bash scripts/setup.sh dev,demo,mindspore,bench
 .venv/bin/python -m pytest "$@"
 .venv/bin/ruff check src tests
 .venv/bin/mypy

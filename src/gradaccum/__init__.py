@@ -43,7 +43,7 @@ from gradaccum.torch import (
     window_batchnorm,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Accumulator",

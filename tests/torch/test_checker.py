@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradaccum.torch.checker import check_equivalence
+from gradaccum.torch.check.checker import check_equivalence
 
 
 class Center(nn.Module):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gradaccum.demos.models import build_model
-from gradaccum.torch.memory_probe import estimate_memory, measure_peak, tensor_bytes
+from gradaccum.torch.memory.probe import estimate_memory, measure_peak, tensor_bytes
 
 MiB = 2**20
 

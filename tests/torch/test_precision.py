@@ -134,7 +134,7 @@ def test_skip_nonfinite_reports_the_norm_it_computes():
 
 
 def test_skip_nonfinite_reuses_the_clipping_norm(monkeypatch):
-    import gradaccum.torch.precision as precision
+    import gradaccum.torch._precision as precision
 
     def no_second_pass(*args, **kwargs):
         raise AssertionError("the clipping norm should have been reused")

@@ -3,7 +3,7 @@
 Allocator peak on CPU: the PyTorch profiler with ``profile_memory=True`` records one
 ``[memory]`` event per allocation (positive bytes) and per free (negative bytes), in order. Their
 running sum is the number of bytes the allocator holds for tensors, relative to the start of
-the profile; its maximum is the peak (:func:`gradaccum.torch.memory_probe.cpu_allocations`, shared
+the profile; its maximum is the peak (:func:`gradaccum.torch.memory.probe.cpu_allocations`, shared
 with ``gradaccum plan``). On CUDA, ``torch.cuda.max_memory_allocated`` gives the same quantity
 directly. Both count tensor memory only (not the Python heap or library code).
 """
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from gradaccum.torch.memory_probe import cpu_allocations, tensor_bytes
+from gradaccum.torch.memory.probe import cpu_allocations, tensor_bytes
 
 __all__ = ["Memory", "Timings", "allocator_memory", "device_sync", "floor_bytes", "interleaved",
            "minor_faults"]

@@ -9,7 +9,7 @@ import torch
 from gradaccum.bench.config import Sizes, micro_batches
 from gradaccum.bench.loops import window_memory
 from gradaccum.bench.measure import Memory
-from gradaccum.torch.memory_probe import tensor_bytes
+from gradaccum.torch.memory.probe import tensor_bytes
 
 __all__ = ["ResidentRow", "run_resident"]
 

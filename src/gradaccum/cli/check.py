@@ -95,7 +95,7 @@ def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tup
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from gradaccum.torch.checker import check_equivalence
+    from gradaccum.torch.check.checker import check_equivalence
 
     try:
         factory, demo_shape = load_factory(args.model)

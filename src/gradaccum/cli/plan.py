@@ -77,7 +77,7 @@ def _table(est: Any, sizes: list[int], budget: int | None) -> list[str]:
 
 def _check(est: Any, model: Any, optimizer: Any, shape: tuple[int, ...], micro: int, steps: int) -> None:
     from gradaccum.core.memory import format_bytes
-    from gradaccum.torch.memory_probe import measure_peak
+    from gradaccum.torch.memory.probe import measure_peak
 
     measured = measure_peak(model, optimizer, shape, micro, steps=steps)
     predicted = est.peak(micro)
@@ -133,7 +133,7 @@ def _report(args: argparse.Namespace, est: Any, model: Any, shape: tuple[int, ..
 
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.core.memory import format_bytes
-    from gradaccum.torch.memory_probe import estimate_memory
+    from gradaccum.torch.memory.probe import estimate_memory
 
     try:
         model, shape, device, budget = _setup(args)

@@ -5,15 +5,15 @@ they can be tested in microseconds.
 """
 
 from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record
-from gradaccum.core.errors import (
+from gradaccum.core.momentum import scaled_momentum
+from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
+from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
+from gradaccum.core.validate import (
     check_nonneg_int,
     check_optional_positive_float,
     check_positive_float,
     check_positive_int,
 )
-from gradaccum.core.momentum import scaled_momentum
-from gradaccum.core.plan import check_batch_sizes, lr_scale, resolve_batch_sizes, split_sizes
-from gradaccum.core.schedule import Schedule, as_schedule, parse_schedule
 from gradaccum.core.window import Weighting, Window
 
 __all__ = [

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from gradaccum.core.errors import check_positive_int
+from gradaccum.core.validate import check_positive_int
 
 __all__ = ["MemoryEstimate", "fit_line", "format_bytes", "parse_bytes"]
 

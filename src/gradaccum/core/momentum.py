@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from gradaccum.core.errors import check_positive_int
+from gradaccum.core.validate import check_positive_int
 
 __all__ = ["MOMENTUM_RULES", "MomentumRule", "check_momentum_rule", "scaled_momentum"]
 

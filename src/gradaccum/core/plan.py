@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from gradaccum.core.errors import check_positive_float, check_positive_int
+from gradaccum.core.validate import check_positive_float, check_positive_int
 
 __all__ = ["check_batch_sizes", "lr_scale", "resolve_batch_sizes", "split_sizes"]
 

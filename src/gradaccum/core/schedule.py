@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from gradaccum.core.errors import check_nonneg_int, check_positive_int
+from gradaccum.core.validate import check_nonneg_int, check_positive_int
 
 __all__ = ["Schedule", "as_schedule", "parse_schedule"]
 

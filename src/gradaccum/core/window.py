@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gradaccum.core.errors import check_positive_int
+from gradaccum.core.validate import check_positive_int
 
 __all__ = ["Weighting", "Window"]
 

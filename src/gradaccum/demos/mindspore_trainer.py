@@ -20,7 +20,6 @@ import torch
 from mindspore import Tensor
 from mindspore import nn as msnn
 from numpy.typing import NDArray
-from tqdm import tqdm
 
 from gradaccum.core import parse_schedule
 from gradaccum.demos.config import RunResult, TrainConfig
@@ -154,6 +153,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     order = epoch_order(n, cfg.seed, epoch, Ranks()).numpy()
     losses: list[float] = []
     samples: list[int] = []
+    from tqdm import tqdm  # the demo extra: imported only when a run shows progress
+
     bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not cfg.progress, leave=False,
                unit="mb", mininterval=0.5)
     write = bar.write if cfg.progress else run.log

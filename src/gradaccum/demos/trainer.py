@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from gradaccum.core import parse_schedule
 from gradaccum.demos.config import RunResult, TrainConfig
@@ -20,8 +19,8 @@ from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import apply_bn_mode, build_model
 from gradaccum.torch import Accumulator
-from gradaccum.torch.batchnorm import to_groupnorm
-from gradaccum.torch.window_bn import to_window_batchnorm
+from gradaccum.torch.batchnorm.convert import to_groupnorm
+from gradaccum.torch.batchnorm.window import to_window_batchnorm
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
 
@@ -128,6 +127,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     # Window losses stay on the device until the epoch ends: no host sync per window.
     losses: list[torch.Tensor] = []
     samples: list[int] = []
+    from tqdm import tqdm  # the demo extra: imported only when a run shows progress
+
     bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not (cfg.progress and run.ranks.main), leave=False,
                unit="mb", mininterval=0.5)
     write = bar.write if cfg.progress else run.log

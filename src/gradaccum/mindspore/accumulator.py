@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from gradaccum.core import Weighting, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.errors import check_nonneg_int
+from gradaccum.core.validate import check_nonneg_int
 from gradaccum.mindspore import buffers
 from gradaccum.mindspore import state as _state
 from gradaccum.mindspore.validate import check_call, check_parts

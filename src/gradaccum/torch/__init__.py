@@ -1,18 +1,20 @@
-"""The PyTorch adapter: everything that touches tensors."""
+"""The PyTorch adapter: everything that touches tensors.
+
+``accumulator.py`` and its private helpers (``_*.py``) are the hot path; each feature has a
+folder of its own, matching its page in ``docs/``: ``distributed/``, ``check/``, ``memory/``,
+``batchnorm/``.
+"""
 
 from gradaccum.torch.accumulator import Accumulator, MicroBatch
-from gradaccum.torch.autobatch import AutoBatch, NoMicroBatchFitsError
-from gradaccum.torch.batch_split import batch_size, split_batch
-from gradaccum.torch.batchnorm import (
-    restore_batchnorm,
-    restore_momentum_,
-    scale_momentum_,
-    to_groupnorm,
-)
-from gradaccum.torch.checker import CheckReport, TensorDiff, check_equivalence
-from gradaccum.torch.hazards import Hazard
-from gradaccum.torch.oom import is_oom_error
-from gradaccum.torch.window_bn import WindowBatchNorm, to_window_batchnorm, window_batchnorm
+from gradaccum.torch.batchnorm.convert import restore_batchnorm, to_groupnorm
+from gradaccum.torch.batchnorm.momentum import restore_momentum_, scale_momentum_
+from gradaccum.torch.batchnorm.window import WindowBatchNorm, to_window_batchnorm, window_batchnorm
+from gradaccum.torch.check.checker import check_equivalence
+from gradaccum.torch.check.hazards import Hazard
+from gradaccum.torch.check.report import CheckReport, TensorDiff
+from gradaccum.torch.memory.autobatch import AutoBatch, NoMicroBatchFitsError
+from gradaccum.torch.memory.oom import is_oom_error
+from gradaccum.torch.memory.split import batch_size, split_batch
 
 __all__ = [
     "Accumulator",

@@ -11,11 +11,11 @@ from torch.utils.hooks import RemovableHandle
 
 from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
 from gradaccum.core.checkpoint import window_from_record
-from gradaccum.core.errors import check_nonneg_int, check_positive_int
-from gradaccum.torch.grads import scale_and_clip_
-from gradaccum.torch.hooks import HookList
-from gradaccum.torch.precision import Precision
-from gradaccum.torch.state import (
+from gradaccum.core.validate import check_nonneg_int, check_positive_int
+from gradaccum.torch._grads import scale_and_clip_
+from gradaccum.torch._hooks import HookList
+from gradaccum.torch._precision import Precision
+from gradaccum.torch._state import (
     FORMAT_VERSION,
     check_state,
     param_signature,
@@ -23,8 +23,9 @@ from gradaccum.torch.state import (
     snapshot_grads,
     window_state,
 )
-from gradaccum.torch.sync import GradSync, SyncMode, make_sync
-from gradaccum.torch.validate import check_items, check_loss, check_parts
+from gradaccum.torch._validate import check_items, check_loss, check_parts
+from gradaccum.torch.distributed.base import GradSync, SyncMode
+from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
 

@@ -3,12 +3,12 @@
 One small protocol, one class per strategy (after Lightning Fabric's ``_BackwardSyncControl``):
 
 * :class:`LocalSync`: one process, nothing to reduce.
-* ``DDPSync`` (``gradaccum.torch.ddp``): ``DistributedDataParallel``. DDP decides in its
+* ``DDPSync`` (``gradaccum.torch.distributed.ddp``): ``DistributedDataParallel``. DDP decides in its
   *forward* whether the coming backward all-reduces, from ``require_backward_grad_sync``; the
   accumulator therefore sets the flag for the next micro-batch right after the previous
   backward, so off-boundary micro-batches skip the all-reduce and the one that completes the
   window syncs the whole sum.
-* ``FSDPSync`` (``gradaccum.torch.fsdp``): an FSDP2 (``fully_shard``) module.
+* ``FSDPSync`` (``gradaccum.torch.distributed.fsdp``): an FSDP2 (``fully_shard``) module.
   ``set_requires_gradient_sync(False)`` off-boundary keeps the window's gradients unsharded and
   local until the last micro-batch reduce-scatters their sum.
 
@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["SYNC_MODES", "GradSync", "LocalSync", "SyncMode", "check_sync_mode", "make_sync"]
+__all__ = ["SYNC_MODES", "GradSync", "LocalSync", "SyncMode", "check_sync_mode"]
 
 SyncMode = Literal["window", "micro_batch"]
 SYNC_MODES: tuple[SyncMode, ...] = ("window", "micro_batch")
@@ -104,43 +103,3 @@ class LocalSync:
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """One rank: the values themselves."""
         return list(values)
-
-
-def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
-    """Pick the sync control for ``model``.
-
-    Args:
-        model: the model the user calls (``None``: a single process).
-        mode: ``"window"`` or ``"micro_batch"`` (the Accumulator's ``sync``).
-
-    Returns:
-        ``DDPSync`` for a ``DistributedDataParallel`` module, ``FSDPSync`` for an FSDP2
-        root module, else :class:`LocalSync`.
-
-    Raises:
-        ValueError: an unknown mode, or a model with ``fully_shard`` submodules whose root is
-            not sharded (no single flag would cover them).
-
-    Example:
-        >>> make_sync(None).world_size
-        1
-    """
-    mode = check_sync_mode(mode)
-    if model is None or not dist.is_available() or not dist.is_initialized():
-        return LocalSync()  # a DDP or FSDP2 module needs an initialized process group
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    from gradaccum.torch.ddp import DDPSync
-    from gradaccum.torch.fsdp import FSDPSync
-
-    if isinstance(model, DistributedDataParallel):
-        return DDPSync(model, mode)
-    if isinstance(model, FSDPModule):
-        return FSDPSync(model, mode)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError(
-            f"model ({type(model).__name__}) has fully_shard submodules but is not itself an "
-            "FSDPModule: call fully_shard(model) on the root too, then pass it as model="
-        )
-    return LocalSync()

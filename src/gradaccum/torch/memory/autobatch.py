@@ -29,8 +29,8 @@ import torch
 
 from gradaccum.core import check_positive_int, split_sizes
 from gradaccum.torch.accumulator import Accumulator
-from gradaccum.torch.batch_split import batch_size, split_batch
-from gradaccum.torch.oom import cuda_in_use, is_oom_error, release_memory
+from gradaccum.torch.memory.oom import cuda_in_use, is_oom_error, release_memory
+from gradaccum.torch.memory.split import batch_size, split_batch
 
 __all__ = ["AutoBatch", "NoMicroBatchFitsError"]
 

@@ -3,18 +3,63 @@
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from gradaccum.torch.checker import CheckReport
+from gradaccum.torch.check.hazards import Hazard
 
-__all__ = ["format_report"]
+__all__ = ["CheckReport", "TensorDiff", "format_report"]
 
 WIDTH = 100
 
 
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one parameter or buffer differs after the two runs.
+
+    Attributes:
+        name: the parameter's or buffer's qualified name.
+        kind: ``"param"`` or ``"buffer"``.
+        shape: its shape.
+        max_abs: the largest absolute difference between the two runs.
+        rel: ``max_abs`` over the reference scale: the largest update of the parameter in the
+            full-batch run (largest absolute value, for a buffer); 0 when both are 0.
+        ok: ``max_abs <= atol + rtol * scale``.
+        updated: False for a parameter that the step left unchanged in both runs (no gradient).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    max_abs: float
+    rel: float
+    ok: bool
+    updated: bool = True
+
+
+@dataclass
+class CheckReport:
+    """The result of :func:`check_equivalence`; ``str(report)`` is a readable table.
+
+    Attributes:
+        equivalent: True when every parameter and buffer agrees within the tolerance and no
+            module breaks equivalence (a dropout layer's masks may line up by chance).
+        diffs: one :class:`TensorDiff` per parameter and buffer, in model order.
+        hazards: the modules that break equivalence, with the gradaccum fix for each.
+        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss).
+    """
+
+    equivalent: bool
+    diffs: list[TensorDiff]
+    hazards: list[Hazard]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+
 def format_report(report: CheckReport) -> str:
-    """Render a :class:`~gradaccum.torch.checker.CheckReport` as a readable table.
+    """Render a :class:`CheckReport` as a readable table.
 
     Returns:
         The settings, one row per parameter and buffer (max absolute and relative difference),

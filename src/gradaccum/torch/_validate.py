@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.core.errors import check_positive_int
+from gradaccum.core.validate import check_positive_int
 
 __all__ = ["check_items", "check_loss", "check_parts"]
 

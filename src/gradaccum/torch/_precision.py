@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.nn.utils import get_total_norm
 
-from gradaccum.torch.accum_buffers import WIDE_DTYPES, AccumBuffers
-from gradaccum.torch.grads import grads_of
+from gradaccum.torch._accum_buffers import WIDE_DTYPES, AccumBuffers
+from gradaccum.torch._grads import grads_of
 
 __all__ = ["Precision", "active_scaler", "scaler_found_inf", "unscale_wide_"]
 

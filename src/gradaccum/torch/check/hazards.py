@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from gradaccum.torch.tracing import ModuleTrace
+from gradaccum.torch.check.tracing import ModuleTrace
 
 __all__ = ["Hazard", "find_hazards"]
 

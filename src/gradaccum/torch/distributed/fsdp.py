@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradaccum.torch.collectives import RankGroups
-from gradaccum.torch.sync import SyncMode
+from gradaccum.torch.distributed.base import SyncMode
+from gradaccum.torch.distributed.collectives import RankGroups
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule

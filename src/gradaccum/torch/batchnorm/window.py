@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradaccum.torch.accumulator import Accumulator
-from gradaccum.torch.batchnorm import (
+from gradaccum.torch.batchnorm.convert import (
     ConvertedNorm,
     adopt_state,
     check_initialized,

@@ -2,24 +2,23 @@
 
 Both runs start from the same weights and the same RNG state and take one plain SGD step with
 lr 1, so a parameter's update is minus its window gradient. Every parameter and buffer is then
-compared, and the modules that break equivalence are named (see :mod:`gradaccum.torch.hazards`).
+compared, and the modules that break equivalence are named (see :mod:`gradaccum.torch.check.hazards`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradaccum.core.errors import check_positive_int
+from gradaccum.core.validate import check_positive_int
 from gradaccum.torch.accumulator import Accumulator
-from gradaccum.torch.hazards import Hazard, find_hazards
-from gradaccum.torch.report import format_report
-from gradaccum.torch.tracing import ModuleTrace, trace_modules
+from gradaccum.torch.check.hazards import find_hazards
+from gradaccum.torch.check.report import CheckReport, TensorDiff
+from gradaccum.torch.check.tracing import ModuleTrace, trace_modules
 
 __all__ = ["DEFAULT_TOLERANCES", "CheckReport", "TensorDiff", "check_equivalence"]
 
@@ -29,51 +28,6 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-12, 1e-9),
     torch.float32: (1e-6, 1e-4),
 }
-
-
-@dataclass(frozen=True)
-class TensorDiff:
-    """How one parameter or buffer differs after the two runs.
-
-    Attributes:
-        name: the parameter's or buffer's qualified name.
-        kind: ``"param"`` or ``"buffer"``.
-        shape: its shape.
-        max_abs: the largest absolute difference between the two runs.
-        rel: ``max_abs`` over the reference scale: the largest update of the parameter in the
-            full-batch run (largest absolute value, for a buffer); 0 when both are 0.
-        ok: ``max_abs <= atol + rtol * scale``.
-        updated: False for a parameter that the step left unchanged in both runs (no gradient).
-    """
-
-    name: str
-    kind: str
-    shape: tuple[int, ...]
-    max_abs: float
-    rel: float
-    ok: bool
-    updated: bool = True
-
-
-@dataclass
-class CheckReport:
-    """The result of :func:`check_equivalence`; ``str(report)`` is a readable table.
-
-    Attributes:
-        equivalent: True when every parameter and buffer agrees within the tolerance and no
-            module breaks equivalence (a dropout layer's masks may line up by chance).
-        diffs: one :class:`TensorDiff` per parameter and buffer, in model order.
-        hazards: the modules that break equivalence, with the gradaccum fix for each.
-        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss).
-    """
-
-    equivalent: bool
-    diffs: list[TensorDiff]
-    hazards: list[Hazard]
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return format_report(self)
 
 
 def check_equivalence(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.torch.sync import SyncMode, check_sync_mode
+from gradaccum.torch.distributed.base import SyncMode, check_sync_mode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -31,8 +31,6 @@ class RankGroups:
 
     def __init__(self, groups: Sequence[ProcessGroup], device: torch.device, mode: SyncMode) -> None:
         self.groups = list(groups)
-        # The one group of a 1-D layout, for callers that run their own collective (AutoBatch).
-        self.group = self.groups[0] if len(self.groups) == 1 else None
         self.device = device
         self.mode = check_sync_mode(mode)
         self.world_size = math.prod(dist.get_world_size(g) for g in self.groups)

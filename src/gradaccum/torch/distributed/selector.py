@@ -1,0 +1,56 @@
+"""Pick the gradient-sync strategy for a model: the one place that knows every strategy.
+
+The strategies import their base (:mod:`gradaccum.torch.distributed.base`), never this module,
+so there is no import circle (the Lightning Fabric shape: a protocol, one module per strategy, a
+selector).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradaccum.torch.distributed.base import GradSync, LocalSync, check_sync_mode
+from gradaccum.torch.distributed.ddp import DDPSync
+from gradaccum.torch.distributed.fsdp import FSDPSync
+
+__all__ = ["make_sync"]
+
+
+def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
+    """Pick the sync control for ``model``.
+
+    Args:
+        model: the model the user calls (``None``: a single process).
+        mode: ``"window"`` or ``"micro_batch"`` (the Accumulator's ``sync``).
+
+    Returns:
+        ``DDPSync`` for a ``DistributedDataParallel`` module, ``FSDPSync`` for an FSDP2
+        root module, else :class:`LocalSync`.
+
+    Raises:
+        ValueError: an unknown mode, or a model with ``fully_shard`` submodules whose root is
+            not sharded (no single flag would cover them).
+
+    Example:
+        >>> make_sync(None).world_size
+        1
+    """
+    mode = check_sync_mode(mode)
+    if model is None or not dist.is_available() or not dist.is_initialized():
+        return LocalSync()  # a DDP or FSDP2 module needs an initialized process group
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return DDPSync(model, mode)
+    if isinstance(model, FSDPModule):
+        return FSDPSync(model, mode)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(
+            f"model ({type(model).__name__}) has fully_shard submodules but is not itself an "
+            "FSDPModule: call fully_shard(model) on the root too, then pass it as model="
+        )
+    return LocalSync()
