@@ -15,6 +15,7 @@ from gradaccum.torch.check.report import CheckReport, TensorDiff
 from gradaccum.torch.memory.autobatch import AutoBatch, NoMicroBatchFitsError
 from gradaccum.torch.memory.oom import is_oom_error
 from gradaccum.torch.memory.split import batch_size, split_batch
+from gradaccum.torch.tokens import count_tokens
 
 __all__ = [
     "Accumulator",
@@ -27,6 +28,7 @@ __all__ = [
     "WindowBatchNorm",
     "batch_size",
     "check_equivalence",
+    "count_tokens",
     "is_oom_error",
     "restore_batchnorm",
     "restore_momentum_",
