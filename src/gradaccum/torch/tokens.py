@@ -41,6 +41,7 @@ def count_tokens(labels: torch.Tensor, *, ignore_index: int = -100, shift: bool 
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if shift:
         if labels.dim() == 0:
-            raise ValueError("count_tokens(shift=True) needs labels with a sequence dimension, got a 0-dim tensor")
+            raise ValueError("count_tokens(shift=True) needs labels with a sequence dimension, "
+                             "got a 0-dim tensor")
         labels = labels[..., 1:]
     return (labels != ignore_index).sum()
