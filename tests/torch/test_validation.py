@@ -56,8 +56,10 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("n_items, error", [
-    (0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError), ("4", TypeError),
-    (torch.tensor(0), ValueError), (torch.tensor(2.0), TypeError), (torch.tensor([1, 2]), ValueError),
+    (0, ValueError), (-3, ValueError), (-0.5, ValueError), (float("nan"), ValueError),
+    (float("inf"), ValueError), (10**40, ValueError), (True, TypeError), ("4", TypeError),
+    (torch.tensor(0), ValueError), (torch.tensor(float("nan")), ValueError),
+    (torch.tensor(1 + 1j), TypeError), (torch.tensor([1, 2]), ValueError),
 ])
 def test_bad_n_items_changes_nothing(n_items, error):
     model, acc = fresh()

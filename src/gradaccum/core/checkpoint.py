@@ -1,76 +1,159 @@
 """The accumulator checkpoint record, shared by every backend: its version and its checks.
 
 A backend's ``state_dict()`` holds counters, the window (size, micro-step, weighting, item
-total), the ``steps`` description, a parameter signature (shape and dtype of each parameter, as
-the backend writes them) and copies of the partial gradients. Before ``load_state_dict`` changes
-anything, :func:`check_state_record` rejects a state from another format version, another
-``steps`` or other parameters, with the same messages on every backend.
+total), the ``steps`` description, a parameter signature (shape and dtype of each parameter) and
+copies of the partial gradients. Before ``load_state_dict`` changes anything,
+:func:`check_state_record` checks every framework-free field it will use, with the same messages
+on every backend: a corrupted or foreign state raises ``TypeError``/``ValueError`` naming the key,
+and the accumulator is left as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from numbers import Integral, Real
 from typing import Any
 
 from gradaccum.core.window import Window
 
-__all__ = ["FORMAT_VERSION", "check_state_record", "window_from_record"]
+__all__ = ["COUNTERS", "FORMAT_VERSION", "check_state_record", "param_signature", "window_from_record"]
 
 FORMAT_VERSION = 1
+COUNTERS = ("optimizer_steps", "skipped_windows", "epoch")
+_WEIGHTINGS = (None, "mean", "items")
 
 
-def check_state_record(state: Any, steps: Any, signature: Sequence[Any]) -> None:
-    """Check that ``state`` came from an accumulator like this one.
+def param_signature(params: Iterable[Any]) -> list[list[Any]]:
+    """Shape and dtype of every parameter (any framework's tensors), to recognize a state saved
+    for other parameters.
+
+    Example:
+        >>> class P:
+        ...     shape, dtype = (2, 3), "float32"
+        >>> param_signature([P()])
+        [[[2, 3], 'float32']]
+    """
+    return [[list(p.shape), str(p.dtype)] for p in params]
+
+
+def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
+                       counters: Sequence[str] = COUNTERS) -> Window:
+    """Check that ``state`` came from an accumulator like this one, and that it is whole.
 
     Args:
         state: what the caller wants to load.
         steps: this accumulator's ``Schedule.describe()``.
-        signature: this accumulator's parameter signature (one ``[shape, dtype]`` per parameter).
+        signature: this accumulator's :func:`param_signature`.
+        counters: the keys that must hold integers >= 0.
+
+    Returns:
+        The saved window (item total as saved: a backend checks a framework scalar itself).
 
     Raises:
-        TypeError: ``state`` is not a mapping from ``Accumulator.state_dict()``.
-        ValueError: another format version, another ``steps``, or other parameters.
+        TypeError: ``state`` is not a mapping, or a field has the wrong type (named).
+        ValueError: a missing key, another format version, another ``steps``, other parameters,
+            or a field out of range (named).
 
     Example:
-        >>> ok = {"version": 1, "steps": 2, "window": {}, "param_signature": [[[3], "f32"]],
-        ...       "grads": [None]}
-        >>> check_state_record(ok, 2, [[[3], "f32"]])
-        >>> check_state_record(ok, 4, [[[3], "f32"]])
+        >>> ok = {"version": 1, "steps": 2, "param_signature": [[[3], "f32"]], "grads": [None],
+        ...       "window": {"size": 2, "micro_step": 0, "weighting": None, "items": 0},
+        ...       "optimizer_steps": 0, "skipped_windows": 0, "epoch": 0}
+        >>> check_state_record(ok, 2, [[[3], "f32"]]).size
+        2
+        >>> check_state_record({**ok, "optimizer_steps": -5}, 2, [[[3], "f32"]])
         Traceback (most recent call last):
         ...
-        ValueError: state was saved with steps=2, this accumulator has steps=4
+        ValueError: state['optimizer_steps'] must be an integer >= 0, got -5
     """
     if not isinstance(state, Mapping) or "grads" not in state or "window" not in state:
         raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
-    if state.get("version") != FORMAT_VERSION:
-        raise ValueError(f"state has format version {state.get('version')!r}, expected {FORMAT_VERSION}")
+    missing = [k for k in ("version", "steps", "param_signature", *counters)
+               if k not in state]
+    if missing:
+        raise ValueError(f"state is missing {', '.join(map(repr, missing))}: not a state from "
+                         "Accumulator.state_dict(), or a damaged one")
+    if state["version"] != FORMAT_VERSION:
+        raise ValueError(f"state has format version {state['version']!r}, expected {FORMAT_VERSION}")
     if state["steps"] != steps:
         raise ValueError(
-            f"state was saved with steps={state['steps']!r}, this accumulator has steps={steps!r}"
-        )
-    saved, ours = list(state["param_signature"]), list(signature)
+            f"state was saved with steps={state['steps']!r}, this accumulator has steps={steps!r}")
+    _check_signature(state["param_signature"], signature)
+    grads = state["grads"]
+    if not isinstance(grads, (list, tuple)):
+        raise TypeError(f"state['grads'] must be a list, got {type(grads).__name__}")
+    if len(grads) != len(signature):
+        raise ValueError(f"state['grads'] holds {len(grads)} gradients for {len(signature)} parameters")
+    for key in counters:
+        _nonneg_int(f"state[{key!r}]", state[key])
+    return window_from_record(state["window"])
+
+
+def window_from_record(w: Any) -> Window:
+    """The window saved in a state's ``"window"`` entry, every field checked.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range (named), or fields that
+            contradict each other (an empty window with a weighting, a mean window with items).
+
+    Example:
+        >>> window_from_record({"size": 4, "micro_step": 1, "weighting": "mean", "items": 0}).micro_step
+        1
+    """
+    if not isinstance(w, Mapping):
+        raise TypeError(f"state['window'] must be a dict, got {type(w).__name__}")
+    missing = [k for k in ("size", "micro_step", "weighting", "items") if k not in w]
+    if missing:
+        raise ValueError(f"state['window'] is missing {', '.join(map(repr, missing))}")
+    size = _nonneg_int("state['window']['size']", w["size"])
+    if size < 1:
+        raise ValueError(f"state['window']['size'] must be >= 1, got {size}")
+    micro = _nonneg_int("state['window']['micro_step']", w["micro_step"])
+    if micro >= size:
+        raise ValueError(f"state['window']['micro_step'] must be in [0, {size}) for a window of "
+                         f"{size}, got {micro}")
+    weighting = w["weighting"]
+    if weighting not in _WEIGHTINGS:
+        raise ValueError(f"state['window']['weighting'] must be None, 'mean' or 'items', got {weighting!r}")
+    if (weighting is None) != (micro == 0):
+        raise ValueError(f"state['window'] has micro_step={micro} with weighting={weighting!r}: an "
+                         "empty window has no weighting, a started one has one")
+    items = w["items"]
+    if isinstance(items, (bool, str)) or (isinstance(items, Real) and not _nonneg_finite(items)):
+        raise ValueError(f"state['window']['items'] must be a count >= 0, got {items!r}")
+    if weighting != "items" and not (isinstance(items, Real) and items == 0):
+        raise ValueError(f"state['window']['items'] must be 0 for weighting={weighting!r}, got {items!r}")
+    scale = w.get("scale")
+    if isinstance(scale, (bool, str)) or (
+            isinstance(scale, Real) and not (_nonneg_finite(scale) and float(scale) > 0)):
+        raise ValueError(f"state['window']['scale'] must be None or a number > 0, got {scale!r}")
+    summed = w.get("summed", False)
+    if not isinstance(summed, bool):
+        raise TypeError(f"state['window']['summed'] must be a bool, got {summed!r}")
+    return Window(size, micro, weighting, items, scale, summed)
+
+
+def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
+    if not isinstance(saved, (list, tuple)):
+        raise TypeError(f"state['param_signature'] must be a list, got {type(saved).__name__}")
+    saved, ours = list(saved), list(ours)
     if saved != ours:
         where = "" if len(saved) != len(ours) else (
             f"; first difference at parameter {_first_difference(saved, ours)}")
         raise ValueError(
-            f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}"
-        )
-    grads = state["grads"]
-    if len(grads) != len(ours):
-        raise ValueError(f"state holds {len(grads)} gradients for {len(ours)} parameters")
+            f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}")
 
 
-def window_from_record(w: Mapping[str, Any]) -> Window:
-    """The window saved in a state's ``"window"`` entry, its size validated.
+def _nonneg_int(name: str, value: Any) -> int:
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
+        if isinstance(value, Integral) and not isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        raise TypeError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
 
-    Raises:
-        TypeError, ValueError: a size that is not an integer >= 1 (the message names ``steps``).
 
-    Example:
-        >>> window_from_record({"size": 4, "micro_step": 1, "weighting": "mean", "items": 0})
-        Window(size=4, micro_step=1, weighting='mean', items=0)
-    """
-    return Window(Window.open(w["size"]).size, w["micro_step"], w["weighting"], w["items"])
+def _nonneg_finite(x: Real) -> bool:
+    return math.isfinite(float(x)) and float(x) >= 0
 
 
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:

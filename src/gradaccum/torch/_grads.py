@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch.nn.utils import get_total_norm
 
-__all__ = ["grads_of", "scale_and_clip_", "scale_grads_"]
+from gradaccum.core.window import is_one
+
+__all__ = ["grads_of", "group_by_device", "scale_and_clip_", "scale_grads_"]
 
 
 def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -16,8 +18,17 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def _is_one(factor: Any) -> bool:
-    return isinstance(factor, (int, float)) and factor == 1
+def group_by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """The tensors grouped by device, in order: one foreach call per device.
+
+    Example:
+        >>> list(group_by_device([torch.ones(1), torch.zeros(2)]))
+        [device(type='cpu')]
+    """
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
 
 
 def scale_grads_(grads: Sequence[torch.Tensor], factor: Any) -> None:
@@ -31,15 +42,12 @@ def scale_grads_(grads: Sequence[torch.Tensor], factor: Any) -> None:
         >>> g[0]
         tensor([0.5000, 0.5000])
     """
-    if not grads or _is_one(factor):
+    if not grads or is_one(factor):
         return
     if not isinstance(factor, torch.Tensor):
         torch._foreach_mul_(list(grads), float(factor))
         return
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, group in by_device.items():
+    for device, group in group_by_device(grads).items():
         torch._foreach_mul_(group, factor.to(device))
 
 
@@ -80,9 +88,9 @@ def scale_and_clip_(
         # FSDP2's DTensor gradients give a DTensor norm over every shard: read it as a plain
         # tensor, identical on every rank, so the coefficient below scales every shard alike.
         norm = full_tensor()
-    if not _is_one(factor):
+    if not is_one(factor):
         norm = norm * factor
     # Same coefficient as torch.nn.utils.clip_grad_norm_, so both clip identically.
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    scale_grads_(grads, coef if _is_one(factor) else coef * factor)
+    scale_grads_(grads, coef if is_one(factor) else coef * factor)
     return norm

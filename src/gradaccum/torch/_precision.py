@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from gradaccum.torch._accum_buffers import WIDE_DTYPES, AccumBuffers
-from gradaccum.torch._grads import grads_of
+from gradaccum.torch._grads import grads_of, group_by_device
 
 __all__ = ["Precision", "active_scaler", "scaler_found_inf", "unscale_wide_"]
 
@@ -52,9 +52,7 @@ def unscale_wide_(
     scale = scaler._get_scale_async()
     assert scale is not None  # unscale_ has run, so the scale exists
     inv_scale = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
+    by_device = group_by_device(grads)
     record = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     for device, group in by_device.items():
         found = torch.zeros((), dtype=torch.float32, device=device)
@@ -130,6 +128,7 @@ class Precision:
         self.optimizer = optimizer
         self.scaler = scaler
         self._scaler = active_scaler(scaler)  # read once: the per-micro-step path stays a branch
+        self._unscaled = False  # unscale_ ran for this window, update() not yet
         self.skip_nonfinite = skip_nonfinite
         self.buffers = buffers if buffers else None
         wide = set() if self.buffers is None else {id(p) for p in self.buffers.params}
@@ -150,6 +149,7 @@ class Precision:
         scaler = self._scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
+            self._unscaled = True
             unscale_wide_(scaler, self.optimizer, wide)
         return grads + wide
 
@@ -171,6 +171,7 @@ class Precision:
                 self._publish()
             scaler.step(self.optimizer)
             scaler.update()
+            self._unscaled = False
             return not found_inf, norm
         if self.skip_nonfinite and grads:
             if norm is None:
@@ -184,6 +185,14 @@ class Precision:
     def _publish(self) -> None:
         if self.buffers is not None:
             self.buffers.publish()
+
+    def abort(self) -> None:
+        """After an exception at the boundary: close the scaler's window if ``unscale_`` ran but
+        ``update`` did not, so the next window can unscale again (the scale backs off on an inf,
+        as after any step)."""
+        if self._unscaled and self._scaler is not None:
+            self._unscaled = False
+            self._scaler.update()
 
     def clear(self) -> None:
         """Forget the window's wide gradients (after a boundary or a discard)."""

@@ -2,75 +2,160 @@
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+import math
+from numbers import Integral, Real
+from typing import Any, Literal, Protocol
 
 import torch
 
-from gradaccum.core.validate import check_positive_int
+__all__ = ["MAX_EXACT_ITEMS", "Items", "Reduction", "Scheduler", "check_items", "check_loss", "check_parts"]
 
-__all__ = ["check_items", "check_loss", "check_parts"]
+Reduction = Literal["mean", "sum"]
+Items = int | float | torch.Tensor | None  # a count or weight of one micro-batch
+
+
+class Scheduler(Protocol):
+    """An LR scheduler stepped once per optimizer step: its ``step()`` takes no argument."""
+
+    def step(self) -> Any: ...
+
+
+# Item totals are divided in float64: beyond 2**53 an integer count is no longer exact there.
+MAX_EXACT_ITEMS = 2**53
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_loss(loss: Any) -> None:
     """Raise unless ``loss`` is a floating scalar tensor that requires grad.
 
+    The messages stay short (a model output's repr can run to thousands of characters) and say
+    what to pass instead.
+
     Raises:
-        TypeError: not a tensor.
+        TypeError: not a tensor: a tuple or list (nanoGPT's ``(logits, loss)``), an object with a
+            ``.loss`` (a Hugging Face ``ModelOutput``), or anything else.
         ValueError: not a scalar, or it does not require grad.
     """
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss must be a torch.Tensor, got {loss!r} ({type(loss).__name__})")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss must be a scalar (the mean over the micro-batch), got shape {tuple(loss.shape)}"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            f"loss does not require grad (loss={loss.detach()!r}): was it computed under "
-            "torch.no_grad(), or detached?"
-        )
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"loss must be a scalar (the micro-batch's loss), got shape {tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("loss does not require grad: was it computed under torch.no_grad(), "
+                             "or detached?")
+        return
+    kind = type(loss).__name__
+    if isinstance(getattr(loss, "loss", None), torch.Tensor) or (
+            isinstance(loss, dict) and "loss" in loss):
+        raise TypeError(f"loss must be a scalar tensor, got a {kind} (a model output): pass its "
+                        "loss, acc.backward(outputs.loss)")
+    if isinstance(loss, (tuple, list)):
+        raise TypeError(f"loss must be a scalar tensor, got a {kind} of {len(loss)}: pass the loss "
+                        "element, e.g. logits, loss = model(x, y); acc.backward(loss)")
+    raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}")
 
 
-def check_items(n_items: Any) -> Any:
-    """Validate ``n_items``: None, an int >= 1, or an integer scalar tensor.
+def check_items(n_items: Any, reduction: Any = "mean") -> Any:
+    """Validate ``n_items`` for a loss with ``reduction``.
 
-    A tensor's value is checked only on the CPU: reading a device tensor would synchronize the
-    GPU on every micro-step.
+    A device tensor's value is not checked: reading it would synchronize the device on every
+    micro-step.
 
     Returns:
-        ``n_items`` (an int, a 0-dim tensor or None).
+        ``None``, an ``int``, a ``float``, or a 0-dim float64 tensor (a count or a weight).
 
     Raises:
-        TypeError: a float, bool, string, or a non-integer tensor.
-        ValueError: 0 or negative, or a tensor with more than one element.
+        TypeError: a string, bool, complex or other non-number; ``reduction`` not a string.
+        ValueError: negative, NaN, inf, an integer beyond float64's exact range, a tensor with
+            more than one element, 0 with ``reduction="mean"``, ``None`` with ``"sum"``, or an
+            unknown ``reduction``.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {_short(reduction)}")
+    summed = reduction == "sum"
     if n_items is None:
+        if summed:
+            raise ValueError("n_items=None with reduction='sum': a summed loss needs the number of "
+                             "items it sums over (it may be 0)")
         return None
     if isinstance(n_items, torch.Tensor):
-        if n_items.numel() != 1:
-            raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n_items.shape)}")
-        if n_items.dtype.is_floating_point or n_items.dtype.is_complex or n_items.dtype == torch.bool:
-            raise TypeError(f"n_items must be an integer count, got a {n_items.dtype} tensor")
-        if n_items.device.type == "cpu" and int(n_items) < 1:
-            raise ValueError(f"n_items must be >= 1, got {int(n_items)}")
-        return n_items.reshape(())
-    return check_positive_int("n_items", n_items)
+        return _check_tensor(n_items, summed)
+    if isinstance(n_items, bool) or not isinstance(n_items, Real):
+        raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {_short(n_items)}")
+    if isinstance(n_items, Integral):
+        value: int | float = int(n_items)
+        if value > MAX_EXACT_ITEMS:
+            raise ValueError(f"n_items={value} is beyond float64's exact integer range (2**53)")
+    else:
+        value = float(n_items)
+        if not math.isfinite(value):
+            raise ValueError(f"n_items must be finite, got {value}")
+    _check_value(value, summed)
+    return value
+
+
+def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
+    if n.numel() != 1:
+        raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
+    if n.dtype.is_complex or n.dtype == torch.bool:
+        raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor")
+    if n.device.type == "cpu":
+        value = float(n)
+        if not math.isfinite(value):
+            raise ValueError(f"n_items must be finite, got {value}")
+        _check_value(value, summed)
+    # float64: 1 / an integer tensor would round to float32; no host read on a device tensor.
+    return n.detach().reshape(()).to(torch.float64)
+
+
+def _check_value(value: float, summed: bool) -> None:
+    if value < 0:
+        raise ValueError(f"n_items must be >= 0, got {value}")
+    if value == 0 and not summed:
+        raise ValueError("n_items=0 with reduction='mean': a mean over no items is undefined; for "
+                         "micro-batches that may hold no items pass the summed loss with "
+                         "reduction='sum'")
+
+
+def _required_args(obj: Any) -> list[str]:
+    """The arguments ``obj.step`` cannot do without, read from its class (an instance's ``step``
+    may be wrapped, as LR schedulers wrap the optimizer's)."""
+    try:
+        params = list(inspect.signature(type(obj).step).parameters.values())[1:]  # without self
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in params
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def check_parts(optimizer: Any, model: Any, scheduler: Any, scaler: Any) -> None:
     """Check the objects an :class:`~gradaccum.Accumulator` is built from.
 
     Raises:
-        TypeError: an object of the wrong kind.
+        TypeError: an object of the wrong kind; an optimizer whose ``step`` needs a closure
+            (LBFGS); a scheduler whose ``step`` needs an argument (ReduceLROnPlateau).
         ValueError: a scheduler bound to another optimizer.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if _required_args(optimizer):
+        raise TypeError(f"optimizer {type(optimizer).__name__} needs a closure in step(closure), which "
+                        "re-evaluates the loss: it cannot step once per accumulated window")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if scheduler is not None:
         if not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+        needs = _required_args(scheduler)
+        if needs:
+            raise TypeError(
+                f"scheduler {type(scheduler).__name__}.step needs {', '.join(needs)}: leave it out of "
+                "the Accumulator and step it yourself when backward() returns True, e.g. "
+                "if acc.backward(loss): scheduler.step(metric)")
         bound = getattr(scheduler, "optimizer", optimizer)
         if bound is not optimizer:
             raise ValueError("scheduler is bound to another optimizer than the accumulator's")

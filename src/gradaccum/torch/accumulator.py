@@ -1,73 +1,58 @@
-"""The PyTorch :class:`Accumulator`: N micro-batches, one exact optimizer update."""
+"""The PyTorch :class:`Accumulator`: N micro-batches, one exact optimizer update (docs/GUIDE.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
-from gradaccum.core import Schedule, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.checkpoint import window_from_record
-from gradaccum.core.validate import check_nonneg_int, check_positive_int
-from gradaccum.torch._grads import scale_and_clip_
-from gradaccum.torch._hooks import HookList
+from gradaccum.core.checkpoint import COUNTERS
+from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
+from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
+from gradaccum.core.window import Window, is_one
+from gradaccum.torch._boundary import apply_window, sum_losses
+from gradaccum.torch._hooks import WindowHooks
+from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
-from gradaccum.torch._state import (
-    FORMAT_VERSION,
-    check_state,
-    param_signature,
-    restore_grads,
-    snapshot_grads,
-    window_state,
-)
-from gradaccum.torch._validate import check_items, check_loss, check_parts
+from gradaccum.torch._state import check_state, pack_state, restore_grads
+from gradaccum.torch._validate import Items, Reduction, Scheduler, check_items, check_loss, check_parts
+from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
 from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
 
-BoundaryHook = Callable[["Accumulator"], None]
 
 
-class Accumulator:
+class Accumulator(WindowHooks):
     """Accumulate the gradients of N micro-batches and apply them as one exact update.
 
-    Gradients add up in ``.grad`` (no extra buffer). At each window boundary, in this order:
-    unscale (``scaler``), normalize, clip the global L2 norm to ``clip_norm``, optimizer step
-    (through the scaler), scaler update, scheduler step, ``zero_grad(set_to_none=True)``.
-    Between boundaries the parameters are bitwise unchanged.
-
-    Normalization: without ``n_items`` the window's gradient is the mean of its micro-batch
-    gradients (a flushed window of r micro-batches is the mean over r); with ``n_items`` on every
-    micro-batch it is the gradient of ``sum(n_i * loss_i) / sum(n_i)``, over all ranks under DDP
-    and FSDP2 (every rank must feed the same number of micro-batches per window).
+    Gradients add up in ``.grad``; the parameters change only at a window's boundary (unscale,
+    normalize, clip, step, scheduler, zero: docs/GUIDE.md). The window's gradient is the mean of
+    its micro-batch gradients, or with ``n_items`` that of ``sum(n_i * loss_i) / sum(n_i)``.
 
     Args:
-        optimizer: the ``torch.optim.Optimizer`` to step once per window.
+        optimizer: the ``torch.optim.Optimizer`` to step once per window (not one whose ``step``
+            needs a closure, such as LBFGS).
         steps: micro-batches per window: an int, or a schedule (a mapping ``{optimizer_step: N}``,
             a callable, or a :class:`gradaccum.Schedule`) read when each window opens.
         model: the model the forward runs through; a ``DistributedDataParallel`` or FSDP2
             (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
-        scheduler: an LR scheduler, stepped once per optimizer step.
-        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`. Each
-            micro-batch's backward is scaled; the window's gradients are unscaled once, at the
-            boundary; a window with an inf or NaN gradient is skipped whole (see below).
-        accum_dtype: ``torch.float32`` to sum the gradients of bf16/fp16 parameters in float32
-            buffers (one per such parameter, allocated on first use), normalized and clipped in
-            float32 and cast into ``.grad`` once per window. Not under DDP/FSDP (ValueError).
-        skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN (one
-            foreach norm pass per window, none when ``clip_norm`` already computes it).
-        sync: when a distributed ``model`` reduces gradients: ``"window"`` (once per window, on
-            its last backward) or ``"micro_batch"`` (every backward; FSDP2 then holds only
-            sharded gradients). No effect on a single process.
+        scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
+            optimizer step (step ReduceLROnPlateau yourself when :meth:`backward` returns True).
+        scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
+        accum_dtype: ``torch.float32`` to sum bf16/fp16 gradients in float32 buffers (not under
+            DDP/FSDP).
+        skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN.
+        sync: ``"window"`` (one gradient sync per window) or ``"micro_batch"`` (every backward).
 
-    A skipped window (scaler found an inf, or ``skip_nonfinite``) leaves the parameters and the
-    optimizer untouched, does not step the scheduler, clears the gradients, adds one to
-    :attr:`skipped_windows` (not to :attr:`optimizer_steps`) and makes :meth:`backward` return False.
+    A skipped window (non-finite gradient, or a summed window of 0 items) changes no parameter
+    and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
+    starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures").
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -87,42 +72,38 @@ class Accumulator:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        steps: Any,
+        steps: StepsSpec | Schedule,
         *,
         model: torch.nn.Module | None = None,
         clip_norm: float | None = None,
-        scheduler: Any = None,
+        scheduler: Scheduler | None = None,
         scaler: torch.amp.GradScaler | None = None,
         accum_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
         sync: SyncMode = "window",
     ) -> None:
-        schedule = as_schedule(steps)
+        self.schedule: Schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
+        self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
-        self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
+        self._sync: GradSync = make_sync(model, sync)
         self.optimizer = optimizer
         self.model = model
         self.scheduler = scheduler
-        self.scaler = scaler
-        self.schedule: Schedule = schedule
         self._params = params
-        self._sync: GradSync = make_sync(model, sync)
-        self._hooks = HookList()
-        self._discard_hooks = HookList()
+        WindowHooks.__init__(self)
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
-        self._window_loss: torch.Tensor | None = None
-        # The last window's (loss sum or micro-batch losses, factor), summed when first read.
-        self._pending_loss: tuple[Any, Any] | None = None
         self.grad_norm: torch.Tensor | None = None
-        self._losses: list[torch.Tensor] = []  # scaled micro-batch losses, summed at the boundary
+        self._losses: list[torch.Tensor] = []  # this window's scaled losses (an append per micro-step)
+        self._last_loss: WindowLoss | None = None
+        self._items_scale: Any = None  # under DDP/FSDP2: the last window's item total per rank
+        self._warned_no_grad = False
         self._open_window()
 
-    # ------------------------------------------------------------------ counters
     @property
     def micro_step(self) -> int:
         """Micro-batches fed to the current window (0 right after a boundary)."""
@@ -134,65 +115,64 @@ class Accumulator:
         return self._window.size
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The ``GradScaler`` given at construction, or None."""
+        return self._precision.scaler
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """The gradient-sync strategy picked for ``model`` (where ranks agree, e.g. AutoBatch)."""
+        return self._sync
+
+    @property
     def window_loss(self) -> torch.Tensor | None:
         """The last applied window's loss, weighted like its gradient (a 0-dim tensor; ``None``
         before the first boundary). Under DDP/FSDP2 it is the loss over every rank's items.
-
-        Computed when first read (one sum over the window's micro-batch losses), so a loop
-        that never logs it pays nothing; reading it does not synchronize a GPU.
-        """
-        if self._pending_loss is not None:
-            value, factor = self._pending_loss
-            self._pending_loss = None
-            total = value if isinstance(value, torch.Tensor) or value is None else self._loss_sum(value)
-            if total is not None and not (isinstance(factor, float) and factor == 1.0):
-                total = total * factor
-            self._window_loss = total
-        return self._window_loss
+        Summed when read (no cost for a loop that never logs it, no GPU sync)."""
+        return None if self._last_loss is None else self._last_loss.value()
 
     @property
     def windows(self) -> int:
-        """Windows applied so far: optimizer steps plus windows skipped for non-finite grads."""
+        """Windows applied so far: optimizer steps plus skipped windows."""
         return self.optimizer_steps + self.skipped_windows
 
     @property
     def world_size(self) -> int:
-        """Data-parallel ranks the window's gradients are averaged over (1 without DDP/FSDP2).
-
-        Check a configuration with
-        ``gradaccum.check_batch_sizes(global_batch, micro_batch, acc.steps, acc.world_size)``.
-        """
+        """Data-parallel ranks the window's gradients are averaged over (1 without DDP/FSDP2)."""
         return self._sync.world_size
 
-    # ------------------------------------------------------------------ feeding
-    def backward(self, loss: torch.Tensor, n_items: Any = None) -> bool:
+    def backward(self, loss: torch.Tensor, n_items: Items = None, *, reduction: Reduction = "mean") -> bool:
         """Feed one micro-batch: backward its loss into the window's gradient.
 
         Args:
-            loss: the micro-batch's mean loss (a criterion's default reduction), a scalar that
-                requires grad.
-            n_items: the micro-batch's number of items (samples, non-padding tokens): an int or
-                an integer 0-dim tensor, >= 1. Give it on every micro-batch of a window or on none.
+            loss: the micro-batch's loss, a scalar that requires grad: its mean over the items
+                (``reduction="mean"``, a criterion's default) or its sum (``"sum"``).
+            n_items: the micro-batch's number of items (non-padding tokens) or total weight: an
+                int, a float or a 0-dim tensor, >= 0 (> 0 with ``"mean"``). Give it on every
+                micro-batch of a window or on none; ``"sum"`` requires it.
+            reduction: ``"mean"`` or ``"sum"``. A summed micro-batch of 0 items adds nothing;
+                a window whose total is 0 takes no step.
 
         Returns:
             True when this call completed the window and the optimizer stepped.
 
         Raises:
-            TypeError, ValueError: a bad ``loss`` or ``n_items``, or a window that would mix
-                weightings; raised before anything changes.
+            TypeError, ValueError: a bad ``loss``, ``n_items`` or ``reduction``, or a window that
+                would mix weightings; raised before anything changes.
         """
-        n = check_items(n_items)
-        self._window.weighting_for(n)
-        self._backward(loss, n)
-        return self._end_micro_batch(n)
+        n = check_items(n_items, reduction)
+        check_loss(loss)
+        window, factor = self._next(n, reduction == "sum")
+        self._backward(loss, factor)
+        return self._commit(window)
 
     @contextmanager
-    def micro_batch(self, n_items: Any = None) -> Iterator[MicroBatch]:
+    def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
         """Feed one micro-batch whose loss comes from several forward graphs (multi-task).
 
         Call ``mb.backward(loss)`` right after each task's forward, so only one autograd graph is
-        alive at a time; the block counts as one micro-batch. On an exception inside the block,
-        call :meth:`discard` before going on: its gradients are partly accumulated.
+        alive at a time; the block counts as one micro-batch and the handle closes with it. On an
+        exception inside the block, call :meth:`discard`: its gradients are partly accumulated.
 
         Example:
             >>> model = torch.nn.Linear(3, 2)
@@ -204,21 +184,15 @@ class Accumulator:
             >>> mb.stepped
             True
         """
-        n = check_items(n_items)
-        self._window.weighting_for(n)
-        mb = MicroBatch(self, n)
-        yield mb
-        mb.stepped = self._end_micro_batch(n)
+        n = check_items(n_items, reduction)
+        window, factor = self._next(n, reduction == "sum")
+        with micro_batch_block(self._backward, factor) as mb:
+            yield mb
+        mb.stepped = self._commit(window)
 
     def flush(self) -> bool:
-        """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
-
-        Under DDP or FSDP2 (``sync="window"``) every rank must call it: it reduces the window's
-        gradients itself, since none of its backwards did.
-
-        Returns:
-            True when the optimizer stepped; False when nothing was pending (or the window was
-            skipped for non-finite gradients).
+        """Apply a partial window now (end of data), as the mean over what it holds; under
+        DDP/FSDP2 every rank must call it. Returns True when the optimizer stepped.
 
         Raises:
             ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
@@ -230,42 +204,24 @@ class Accumulator:
         return self._apply()
 
     def discard(self) -> None:
-        """Drop the partial window: gradients set to None, counters back to the window's start.
-
-        Then calls the hooks of :meth:`register_discard_hook` (window state kept outside).
-        """
-        self.optimizer.zero_grad(set_to_none=True)
+        """Drop the partial window (gradients to None, counters to the window's start), then call
+        the hooks of :meth:`register_discard_hook`."""
         self._sync.discard()
-        self._precision.clear()
-        self._losses = []
+        self._reset()
         self._open_window()
         self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins.
-
-        Call it before the epoch's first micro-batch. An empty window takes the new N at once; a
-        window carried over from the previous epoch keeps its N until its boundary.
-
-        Raises:
-            TypeError, ValueError: ``epoch`` is not an integer >= 0.
-        """
+        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins; an
+        empty window takes its N at once. Raises TypeError/ValueError unless ``epoch >= 0``."""
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
             self._open_window()
 
     def resize_window(self, steps: int) -> None:
-        """Give the current, empty window another size: ``steps`` micro-batches complete it.
-
-        For a caller that learns a window's size only when its data arrives, such as
-        :class:`gradaccum.AutoBatch` (one global batch split into ``steps`` micro-batches). Under
-        DDP the last of them still carries the window's single gradient sync. The schedule is
-        read again when the next window opens.
-
-        Raises:
-            TypeError, ValueError: ``steps`` is not an integer >= 1, or the window already holds
-                micro-batches; nothing changes then.
-        """
+        """Give the current, empty window another size (for :class:`gradaccum.AutoBatch`, which
+        learns a window's size from its data); the schedule is read again at the next window.
+        Raises TypeError/ValueError for ``steps < 1`` or a started window (nothing changes)."""
         n = check_positive_int("steps", steps)
         if not self._window.empty:
             raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
@@ -273,147 +229,118 @@ class Accumulator:
         self._window = self._window.resized(n)
         self._sync.prepare(self._window.next_is_last)
 
-    def register_boundary_hook(self, hook: BoundaryHook) -> RemovableHandle:
-        """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
-
-        Returns:
-            A handle whose ``remove()`` unregisters the hook.
-        """
-        return self._hooks.register(hook)
-
-    def register_discard_hook(self, hook: BoundaryHook) -> RemovableHandle:
-        """Call ``hook(accumulator)`` after :meth:`discard` drops a partial window.
-
-        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
-        which a discarded window must not leave behind.
-
-        Returns:
-            A handle whose ``remove()`` unregisters the hook.
-        """
-        return self._discard_hooks.register(hook)
-
-    # ------------------------------------------------------------------ internals
-    def _schedule_count(self) -> int:
-        return self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
-
     def _open_window(self) -> None:
-        self._window = Window.open(self.schedule(self._schedule_count()))
+        count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
+        self._window = Window.open(self.schedule(count))
         self._sync.prepare(self._window.next_is_last)
 
-    def _backward(self, loss: torch.Tensor, n: Any) -> None:
-        check_loss(loss)
-        factor = self._window.loss_factor(n)
-        scaled = loss if isinstance(factor, float) and factor == 1.0 else loss * factor
-        self._precision.backward(scaled)
-        # Kept as a list (an append, no tensor op per micro-step); summed at the boundary.
-        self._losses.append(scaled.detach())
+    def _next(self, n: Any, summed: bool) -> tuple[Window, Any]:
+        """The window after this micro-batch and its loss factor; changes nothing (may raise)."""
+        window = self._window
+        scale = self._provisional(n, window.size) if window.empty and n is not None else None
+        nxt = window.advance(n, scale=scale, summed=summed)
+        return nxt, nxt.loss_factor(n, summed=summed)
 
-    def _end_micro_batch(self, n: Any) -> bool:
-        self._window = self._window.advance(n)
-        if self._window.complete:
+    def _provisional(self, n: Any, size: int) -> Any:
+        """The item total the window's losses are scaled against (corrected at the boundary)."""
+        if self._sync.world_size > 1:  # must be equal on every rank: the last window's total
+            return float(size) if self._items_scale is None else self._items_scale
+        if isinstance(n, torch.Tensor):
+            return torch.where(n > 0, n, 1.0) * size
+        return size * n if n > 0 else size
+
+    def _backward(self, loss: torch.Tensor, factor: Any) -> None:
+        if not is_one(factor):
+            loss = loss * (factor.to(loss.dtype) if isinstance(factor, torch.Tensor) else factor)
+        self._precision.backward(loss)
+        self._losses.append(loss.detach())
+
+    def _commit(self, window: Window) -> bool:
+        self._window = window
+        if window.complete:
             return self._apply()
-        if self._window.next_is_last:
+        if window.next_is_last:
             # DDP reads the flag in its forward, so it is set before the next micro-batch runs.
             self._sync.prepare(True)
         return False
 
     def _apply(self) -> bool:
-        window = self._window
-        items = window.items if window.weighting == "items" else None
-        if isinstance(items, torch.Tensor):
-            items = items.to(torch.float64)  # 1 / an integer tensor would round to float32
-        # One process: the window loss is summed only if someone reads it. Several: it must be
-        # reduced now, in the same collective as the item count.
-        distributed = self._sync.world_size > 1
-        loss_sum, items = self._sync.reduce_window(self._loss_sum() if distributed else None, items)
-        grads = self._precision.window_grads()
-        factor = window.grad_factor(items)
-        norm = scale_and_clip_(grads, factor, self.clip_norm)
-        stepped, self.grad_norm = self._precision.step(grads, norm)
-        if stepped:
-            self.optimizer_steps += 1
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
-            self.skipped_windows += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self._precision.clear()
-        self._pending_loss = (loss_sum if distributed else self._losses, factor)
-        self._window_loss = None
-        self._losses = []
-        # Emptied before the hooks and the schedule run: should either raise, the applied window
-        # must not be applied a second time by the next micro-batch.
-        self._window = Window(window.size)
-        self._hooks(self)
-        self._open_window()
+        """The boundary, as a transaction: whatever raises, the next window starts fresh."""
+        try:
+            stepped = self._step(self._window)
+        except BaseException:
+            self._precision.abort()
+            self._reset()
+            with suppress(Exception):
+                self._open_window()
+            raise
+        self._reset()
+        try:
+            self._hooks(self)
+        finally:
+            self._open_window()
         return stepped
 
-    def _loss_sum(self, losses: list[torch.Tensor] | None = None) -> torch.Tensor | None:
-        losses = self._losses if losses is None else losses
-        if not losses:
-            return None
-        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+    def _step(self, window: Window) -> bool:
+        out = apply_window(window, self._losses, self._sync, self._precision, self.clip_norm)
+        if out.items_scale is not None:
+            self._items_scale = out.items_scale
+        if out.loss is not None:
+            self._last_loss = out.loss
+            self.grad_norm = out.grad_norm
+        if out.no_grads and not self._warned_no_grad:
+            self._warned_no_grad = True
+            warnings.warn("no parameter of the optimizer received a gradient in this window: does the "
+                          "loss come from another model, or a detached graph?", stacklevel=5)
+        if not out.stepped:
+            self.skipped_windows += 1
+            return False
+        self.optimizer_steps += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return True
 
-    # ------------------------------------------------------------------ checkpoints
+    def _reset(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._precision.clear()
+        self._losses = []
+        self._window = Window(self._window.size)
+
     def state_dict(self) -> dict[str, Any]:
-        """All a bit-exact resume in the middle of a window needs.
-
-        Returns:
-            A dict of counters, the window (size, micro-step, weighting, item total), the loss
-            sum and copies of the partial gradients (and of the float32 buffers under
-            ``accum_dtype``). Save it beside the model's and optimizer's.
+        """All a bit-exact resume in the middle of a window needs (counters, window, partial
+        gradients and losses, the last window's loss); save it beside the model's and optimizer's.
 
         Raises:
             RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
-                live unsharded inside FSDP2, out of reach (save at ``micro_step == 0``).
+                live inside FSDP2 (save at ``micro_step == 0``).
         """
         if not self._window.empty:
             self._sync.check_saveable()
-        return {
-            "version": FORMAT_VERSION,
-            "steps": self.schedule.describe(),
-            "window": window_state(self._window),
-            "optimizer_steps": self.optimizer_steps,
-            "skipped_windows": self.skipped_windows,
-            "epoch": self.epoch,
-            "loss_sum": None if (loss_sum := self._loss_sum()) is None else loss_sum.clone(),
-            "param_signature": param_signature(self._params),
-            "grads": snapshot_grads(self._params),
-            "accum": self._precision.state_dict(),
-        }
+        return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
+                          sum_losses(self._losses), self.window_loss, self._items_scale, self._params,
+                          self._precision.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
 
         Raises:
-            TypeError, ValueError: the state is not one, or comes from an accumulator with another
+            TypeError, ValueError: a field is missing, of the wrong type or out of range (the
+                message names the key), or the state comes from an accumulator with another
                 ``steps`` or other parameters; nothing is changed then.
         """
-        check_state(state, self.schedule.describe(), self._params)
+        window = check_state(state, self.schedule.describe(), self._params)
         self._precision.check_state(state.get("accum"))
-        window = window_from_record(state["window"])
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
-        self.optimizer_steps = state["optimizer_steps"]
-        self.skipped_windows = state["skipped_windows"]
-        self.epoch = state["epoch"]
-        self._losses = [] if state["loss_sum"] is None else [state["loss_sum"]]
+        for key in COUNTERS:
+            setattr(self, key, state[key])
+        self._losses = [] if state.get("loss_sum") is None else [state["loss_sum"]]
+        last = state.get("window_loss")
+        self._last_loss = None if last is None else WindowLoss((last,), 1.0)
+        self._items_scale = state.get("items_scale")
         self._window = window
         self._sync.prepare(window.next_is_last)
 
     def __repr__(self) -> str:
         return (f"Accumulator(steps={self.schedule.describe()!r}, micro_step={self.micro_step}, "
                 f"optimizer_steps={self.optimizer_steps})")
-
-
-class MicroBatch:
-    """One micro-batch fed by several backward calls; see :meth:`Accumulator.micro_batch`."""
-
-    def __init__(self, acc: Accumulator, n_items: Any) -> None:
-        self._acc = acc
-        self._n = n_items
-        self.stepped = False
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward one task's loss (a mean over this micro-batch's items) right away."""
-        self._acc._backward(loss, self._n)

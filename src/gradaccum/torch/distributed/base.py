@@ -16,11 +16,11 @@ Both distributed classes take a mode: ``"window"`` (one gradient sync per window
 ``"micro_batch"`` (sync every backward, as without accumulation: FSDP2 then keeps only sharded
 gradients between micro-batches, at N times the reduce-scatter traffic).
 
-The accumulator calls, in order: :meth:`GradSync.prepare` after every micro-batch (the flag for
-the next backward), :meth:`GradSync.sync_partial` from ``flush()`` on every rank (a partial
-window's gradients were never reduced), and :meth:`GradSync.reduce_window` at every boundary
-(one collective that averages the window's loss sum and item total over ranks, as the
-gradients are averaged).
+The accumulator calls, in order: :meth:`GradSync.prepare` when a window opens and after each
+micro-batch (the flag for the next backward), :meth:`GradSync.sync_partial` from ``flush()`` on
+every rank (a partial window's gradients were never reduced), :meth:`GradSync.check_forward` and
+:meth:`GradSync.reduce_window` at every boundary (one collective that averages the window's loss
+sum and item total over ranks, as the gradients are averaged).
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class GradSync(Protocol):
     def check_saveable(self) -> None:
         """Raise if a partial window's gradients are not in ``.grad`` (so no checkpoint holds them)."""
 
+    def check_forward(self) -> None:
+        """At a boundary: raise if no forward ran through the wrapped model in this window."""
+
     def discard(self) -> None:
         """Drop partial-window gradients held outside ``.grad`` (the accumulator clears ``.grad``)."""
 
@@ -96,6 +99,9 @@ class LocalSync:
 
     def check_saveable(self) -> None:
         """The partial gradients are in ``.grad``."""
+
+    def check_forward(self) -> None:
+        """Nothing wraps the model."""
 
     def discard(self) -> None:
         """Nothing is held outside ``.grad``."""

@@ -91,5 +91,30 @@ class RankGroups:
     def check_saveable(self) -> None:
         """Partial gradients are in ``.grad`` (each rank saves its own accumulator state)."""
 
+    def watch_forward(self, module: torch.nn.Module) -> None:
+        """Note every forward through ``module`` (the wrapper whose forward arms the gradient sync)."""
+        self.module_name = type(module).__name__
+        self.forward_ran = False
+        module.register_forward_pre_hook(self._saw_forward)
+
+    def _saw_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.forward_ran = True
+
+    def check_forward(self) -> None:
+        """Raise if no forward ran through the wrapper since the last boundary.
+
+        A forward through the unwrapped module (``ddp_model.module``) arms no gradient sync:
+        the ranks would step on their own gradients and drift apart without a word.
+
+        Raises:
+            RuntimeError: no forward ran through the wrapper in this window.
+        """
+        if not self.forward_ran:
+            raise RuntimeError(
+                f"no forward ran through model= (the {self.module_name}) in this window, so no "
+                "gradients were averaged across ranks: call the wrapped model you passed as "
+                "model=, not its .module or the model it wraps")
+        self.forward_ran = False
+
     def discard(self) -> None:
         """Nothing is held outside ``.grad``."""

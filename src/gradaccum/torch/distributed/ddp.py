@@ -28,6 +28,7 @@ class DDPSync(RankGroups):
         device = next(module.parameters()).device
         super().__init__([module.process_group], device, mode)
         self.module = module
+        self.watch_forward(module)
 
     def prepare(self, sync_next: bool) -> None:
         """Set DDP's flag, read by its next forward (nanoGPT's ``require_backward_grad_sync``)."""

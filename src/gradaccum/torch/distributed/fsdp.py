@@ -41,6 +41,7 @@ class FSDPSync(RankGroups):
         groups = [mesh.get_group(d) for d in range(mesh.ndim)]
         super().__init__(groups, params[0].device, mode)
         self.module = module
+        self.watch_forward(module)  # type: ignore[arg-type]
 
     def prepare(self, sync_next: bool) -> None:
         """Turn FSDP2's gradient reduction on for the window's last backward only."""

@@ -7,6 +7,7 @@ selector).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -39,8 +40,15 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
         1
     """
     mode = check_sync_mode(mode)
-    if model is None or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return LocalSync()  # a DDP or FSDP2 module needs an initialized process group
+    if model is None:
+        if dist.get_world_size() > 1:
+            warnings.warn(
+                f"Accumulator(model=None) while a process group of {dist.get_world_size()} ranks is "
+                "initialized: gradaccum will not average gradients or item counts across ranks; "
+                "pass model=ddp_model (or the FSDP2 root) for one sync per window", stacklevel=3)
+        return LocalSync()
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 

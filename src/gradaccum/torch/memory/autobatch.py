@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gradaccum.core import check_positive_int, split_sizes
+from gradaccum.torch._validate import Reduction
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.memory.oom import cuda_in_use, is_oom_error, release_memory
 from gradaccum.torch.memory.split import batch_size, split_batch
@@ -87,7 +88,7 @@ class AutoBatch:
         self.acc = accumulator
         self.ooms = 0
         self.last_sizes: list[int] = []
-        self._sync = accumulator._sync  # the accumulator's strategy: where the ranks agree
+        self._sync = accumulator.grad_sync  # the accumulator's strategy: where the ranks agree
         self._distributed = self._sync.world_size > 1
         self._stats = _running_stats(accumulator.model)
         self._ceiling: int | None = None  # smallest micro-batch that ran out
@@ -95,7 +96,7 @@ class AutoBatch:
         self._clean_windows = 0
         self._last_oom = ""
 
-    def step(self, batch: Any, loss_fn: LossFn) -> bool:
+    def step(self, batch: Any, loss_fn: LossFn, *, reduction: Reduction = "mean") -> bool:
         """Train on one global batch: one window, one optimizer step.
 
         Args:
@@ -103,6 +104,8 @@ class AutoBatch:
                 rank's share; every rank must hold as many items).
             loss_fn: ``loss_fn(micro_batch) -> loss`` (the micro-batch's mean loss), or
                 ``-> (loss, n_items)`` to weight by a count of your own (non-padding tokens).
+            reduction: ``"mean"``, or ``"sum"`` when ``loss_fn`` returns ``(summed loss,
+                n_items)`` (micro-batches of 0 items allowed; see :meth:`Accumulator.backward`).
 
         Returns:
             True when the optimizer stepped (False: a GradScaler skipped the window).
@@ -117,22 +120,23 @@ class AutoBatch:
         saved = self._snapshot() if self.auto else None
         while True:
             size = min(total, self._size(total))
-            stepped = self._attempt(batch, total, size, loss_fn)
+            stepped = self._attempt(batch, total, size, loss_fn, reduction)
             if stepped is not None:
                 self._succeeded(size, total)
                 return stepped
             assert saved is not None  # only "auto" reports an OOM instead of raising it
             self._recover(size, saved)
 
-    def run(self, batches: Iterable[Any], loss_fn: LossFn) -> int:
+    def run(self, batches: Iterable[Any], loss_fn: LossFn, *, reduction: Reduction = "mean") -> int:
         """Train on every global batch of ``batches`` (a loader); returns the optimizer steps taken."""
-        return sum(self.step(batch, loss_fn) for batch in batches)
+        return sum(self.step(batch, loss_fn, reduction=reduction) for batch in batches)
 
     # ------------------------------------------------------------------ one attempt
     def _size(self, total: int) -> int:
         return total if self.micro_batch is None else self.micro_batch
 
-    def _attempt(self, batch: Any, total: int, size: int, loss_fn: LossFn) -> bool | None:
+    def _attempt(self, batch: Any, total: int, size: int, loss_fn: LossFn,
+                 reduction: Reduction) -> bool | None:
         """Feed the global batch at ``size``; None when (all ranks agree that) one ran out."""
         sizes = split_sizes(total, size)
         parts = split_batch(batch, sizes)
@@ -149,7 +153,7 @@ class AutoBatch:
         before = k - 1 if agree and not probe else k  # micro-batches fed before the agreement
         stepped: bool | None = False
         for i in range(before):
-            stepped = self._feed(parts[i], counts[i], loss_fn, recover=True)
+            stepped = self._feed(parts[i], counts[i], loss_fn, reduction, recover=True)
             if stepped is None:
                 break
         oom = self._agree(stepped is None, k) if agree else stepped is None
@@ -158,16 +162,17 @@ class AutoBatch:
         if probe:
             return self.acc.flush()
         if before < k:
-            return self._feed(parts[-1], counts[-1], loss_fn, recover=False)
+            return self._feed(parts[-1], counts[-1], loss_fn, reduction, recover=False)
         return stepped
 
-    def _feed(self, part: Any, n: Any, loss_fn: LossFn, recover: bool) -> bool | None:
+    def _feed(self, part: Any, n: Any, loss_fn: LossFn, reduction: Reduction,
+              recover: bool) -> bool | None:
         """Run one micro-batch; None on a recoverable OOM (any other error passes through)."""
         body_done = False
         try:
             out = loss_fn(part)
             loss, n = out if isinstance(out, tuple) else (out, n)
-            with self.acc.micro_batch(n) as mb:
+            with self.acc.micro_batch(n, reduction=reduction) as mb:
                 mb.backward(loss)
                 body_done = True  # an error after this is the boundary's (the optimizer step)
             return mb.stepped
