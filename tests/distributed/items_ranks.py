@@ -1,0 +1,119 @@
+"""Rank side of tests/distributed/test_items_ddp.py: summed losses, empty micro-batches and
+windows, and the guard rails under DDP on gloo ranks.
+
+Every rank draws the same global data, trains its share through a DDP model and computes the
+one-process full-batch reference itself. Run under the torchrun environment (see tests/ranks.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.functional import cross_entropy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference, ranks
+
+import gradaccum
+from ranks import run_scenarios
+from reference import bitwise_equal, data, make_optimizer, mlp, snapshot
+
+MICRO = 4
+# Valid samples per micro-batch, [window][rank][micro-batch]: uneven across ranks, some empty.
+COUNTS = [
+    [[4, 0, 2], [1, 3, 0]],
+    [[0, 0, 0], [2, 4, 1]],  # rank 0 holds no item in the whole window
+    [[3, 3, 3], [3, 3, 3]],
+]
+
+
+def summed_loss(model: Any, x: torch.Tensor, y: torch.Tensor, valid: int) -> torch.Tensor:
+    """The loss summed over the first ``valid`` samples (the others are padding)."""
+    mask = (torch.arange(len(y)) < valid).to(x.dtype)
+    return (cross_entropy(model(x), y, reduction="none") * mask).sum()
+
+
+def global_window(w: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return data(world * 3 * MICRO, seed=500 + w)
+
+
+def reference(windows: list[list[list[int]]], world: int) -> list[torch.Tensor]:
+    """One full-batch SGD step per window on the mean loss over every valid sample."""
+    model = mlp()
+    opt = make_optimizer("sgd", model.parameters())
+    for w, counts in enumerate(windows):
+        x, y = global_window(w, world)
+        keep = torch.cat([torch.arange(MICRO) < c for rank in counts for c in rank])
+        if not keep.any():
+            continue  # no item: no step
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(model(x[keep]), y[keep]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def summed_windows(rank: int, world: int, windows: list[list[list[int]]], tensors: bool) -> dict[str, Any]:
+    ddp = DDP(mlp())
+    acc = gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), 3, model=ddp)
+    stepped = []
+    for w, counts in enumerate(windows):
+        x, y = global_window(w, world)
+        mine = list(zip(x.split(MICRO), y.split(MICRO), strict=True))[rank * 3:(rank + 1) * 3]
+        for (xb, yb), c in zip(mine, counts[rank], strict=True):
+            n: Any = torch.tensor(c) if tensors else c
+            last = acc.backward(summed_loss(ddp, xb, yb, c), n, reduction="sum")
+        stepped.append(last)
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()],
+            "ref": reference(windows, world), "stepped": stepped, "steps": acc.optimizer_steps}
+
+
+def all_empty(rank: int, world: int) -> dict[str, Any]:
+    ddp = DDP(mlp())
+    acc = gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), 2, model=ddp)
+    before = snapshot(ddp.module)
+    x, y = global_window(0, world)
+    out = [acc.backward(summed_loss(ddp, xb, yb, 0), 0, reduction="sum") for xb, yb in
+           list(zip(x.split(MICRO), y.split(MICRO), strict=True))[rank * 2:(rank + 1) * 2]]
+    return {"stepped": out, "unchanged": bitwise_equal(ddp.module, before),
+            "steps": acc.optimizer_steps, "micro_step": acc.micro_step,
+            "grads_none": all(p.grad is None for p in ddp.parameters())}
+
+
+def raw_module_forward(rank: int, world: int) -> dict[str, Any]:
+    ddp = DDP(mlp())
+    acc = gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), 2, model=ddp)
+    before = snapshot(ddp.module)
+    x, y = data(2 * MICRO, seed=600 + rank)
+    acc.backward(cross_entropy(ddp.module(x[:MICRO]), y[:MICRO]))
+    try:
+        acc.backward(cross_entropy(ddp.module(x[MICRO:]), y[MICRO:]))
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    unchanged = bitwise_equal(ddp.module, before)
+    # The next window, through the wrapper, trains normally.
+    for xb, yb in zip(x.split(MICRO), y.split(MICRO), strict=True):
+        acc.backward(cross_entropy(ddp(xb), yb))
+    return {"outcome": outcome, "unchanged_after_error": unchanged,
+            "steps": acc.optimizer_steps, "micro_step": acc.micro_step}
+
+
+def model_none_warns(rank: int, world: int) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradaccum.Accumulator(make_optimizer("sgd", mlp().parameters()), 2)
+    return {"warnings": [str(w.message) for w in caught]}
+
+
+if __name__ == "__main__":
+    run_scenarios({
+        "summed_ints": lambda r, w: summed_windows(r, w, COUNTS, tensors=False),
+        "summed_tensors": lambda r, w: summed_windows(r, w, COUNTS, tensors=True),
+        "all_empty": all_empty,
+        "raw_module_forward": raw_module_forward,
+        "model_none_warns": model_none_warns,
+    })

@@ -1,0 +1,40 @@
+"""Item weighting under DDP on 2 gloo ranks: summed losses with empty micro-batches and windows
+equal one process, a window of no items takes no step, and the guard rails speak up."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import run_ranks, scenario
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(Path(__file__).with_name("items_ranks.py"), tmp_path_factory.mktemp("items"))
+
+
+@pytest.mark.parametrize("name", ["summed_ints", "summed_tensors"])
+def test_summed_losses_with_empty_micro_batches_equal_one_process(ranks, name):
+    for r in scenario(ranks, name):
+        assert r["stepped"] == [True, True, True] and r["steps"] == 3
+        for got, want in zip(r["params"], r["ref"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_window_without_items_on_any_rank_takes_no_step(ranks):
+    for r in scenario(ranks, "all_empty"):
+        assert r["stepped"] == [False, False] and r["steps"] == 0 and r["micro_step"] == 0
+        assert r["unchanged"] and r["grads_none"]
+
+
+def test_a_forward_through_the_unwrapped_module_raises_at_the_boundary(ranks):
+    for r in scenario(ranks, "raw_module_forward"):
+        assert "no forward ran through model=" in r["outcome"]
+        assert r["unchanged_after_error"]
+        assert r["steps"] == 1 and r["micro_step"] == 0  # the failed window was dropped
+
+
+def test_model_none_under_a_process_group_warns(ranks):
+    for r in scenario(ranks, "model_none_warns"):
+        assert any("will not average gradients" in w for w in r["warnings"])

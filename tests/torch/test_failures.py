@@ -1,0 +1,188 @@
+"""All or nothing: what cannot work per window is refused at construction, an exception at a
+boundary never re-applies a window, a bad checkpoint changes nothing, a closed handle refuses."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradaccum
+from reference import bitwise_equal, data, mlp, snapshot
+
+
+def loss_of(model, seed=0):
+    x, y = data(4, seed=seed)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def test_metric_scheduler_and_closure_optimizer_are_refused_at_construction():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="scheduler ReduceLROnPlateau.step needs metrics"):
+        gradaccum.Accumulator(opt, 2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(TypeError, match="optimizer LBFGS needs a closure"):
+        gradaccum.Accumulator(torch.optim.LBFGS(model.parameters()), 2)
+    # A scheduler wraps the optimizer's step; that wrapper is no closure requirement.
+    gradaccum.Accumulator(opt, 2, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+class FailingScheduler(torch.optim.lr_scheduler.StepLR):
+    fail = False  # set on the instance: the constructor steps once itself
+
+    def step(self, epoch=None):
+        super().step(epoch)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("scheduler failed")
+
+
+class FailingSGD(torch.optim.SGD):
+    fail = True
+
+    def step(self, closure=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("optimizer failed")
+        return super().step(closure)
+
+
+def fresh_window_then_one_step(acc, model, steps):
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    before_steps, before = acc.optimizer_steps, snapshot(model)
+    for i in range(steps - 1):
+        assert acc.backward(loss_of(model, seed=10 + i)) is False
+        assert bitwise_equal(model, before)  # the failed window is not applied again
+    assert acc.backward(loss_of(model, seed=20)) is True
+    assert acc.optimizer_steps == before_steps + 1
+
+
+def test_scheduler_error_at_the_boundary_leaves_a_fresh_window():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = FailingScheduler(opt, 1)
+    sched.fail = True
+    acc = gradaccum.Accumulator(opt, 3, scheduler=sched)
+    acc.backward(loss_of(model))
+    acc.backward(loss_of(model, 1))
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        acc.backward(loss_of(model, 2))
+    assert acc.optimizer_steps == 1  # the optimizer did step before the scheduler raised
+    fresh_window_then_one_step(acc, model, 3)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_optimizer_error_at_the_boundary_leaves_a_fresh_window(scaled):
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    acc = gradaccum.Accumulator(FailingSGD(model.parameters(), lr=0.1), 2, scaler=scaler)
+    before = snapshot(model)
+    acc.backward(loss_of(model))
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        acc.backward(loss_of(model, 1))
+    assert acc.optimizer_steps == 0 and bitwise_equal(model, before)
+    fresh_window_then_one_step(acc, model, 2)  # with a scaler: no "unscale_() already called"
+
+
+def test_boundary_hook_error_leaves_a_fresh_window():
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    calls = []
+
+    def hook(a):
+        calls.append(a.optimizer_steps)
+        if len(calls) == 1:
+            raise ValueError("hook failed")
+
+    acc.register_boundary_hook(hook)
+    acc.backward(loss_of(model))
+    with pytest.raises(ValueError, match="hook failed"):
+        acc.backward(loss_of(model, 1))
+    assert acc.optimizer_steps == 1
+    fresh_window_then_one_step(acc, model, 2)
+    assert calls == [1, 2]
+
+
+def mid_window(dtype_items=False):
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    for i in range(4):  # one full window, then one micro-batch
+        acc.backward(loss_of(model, i), n_items=torch.tensor(4) if dtype_items else 4)
+    return model, acc
+
+
+def corrupt(state, path, value):
+    state = {**state, "window": dict(state["window"]), "grads": list(state["grads"])}
+    target = state
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return state
+
+
+@pytest.mark.parametrize("path, value", [
+    (("optimizer_steps",), KeyError),
+    (("epoch",), KeyError),
+    (("window", "micro_step"), 7),
+    (("window", "micro_step"), -1),
+    (("window", "micro_step"), "1"),
+    (("window", "weighting"), "median"),
+    (("window", "weighting"), "mean"),  # items with a mean window
+    (("window", "items"), -3),
+    (("optimizer_steps",), "x"),
+    (("optimizer_steps",), -5),
+    (("skipped_windows",), 1.5),
+    (("grads", 2), torch.zeros(3)),
+    (("grads", 0), "grad"),
+    (("window_loss",), "0.5"),
+    (("loss_sum",), torch.ones(2)),
+    (("window", "size"), 0),
+])
+def test_a_corrupted_state_raises_and_changes_nothing(path, value):
+    model, acc = mid_window()
+    good = acc.state_dict()
+    model2, acc2 = mid_window()
+    for p in model2.parameters():  # other partial gradients, to see that none is overwritten
+        p.grad.mul_(3)
+    grads, counters = [p.grad.clone() for p in model2.parameters()], repr(acc2)
+    with pytest.raises((TypeError, ValueError), match=str(path[-1]) if isinstance(path[-1], str) else "grads"):
+        acc2.load_state_dict(corrupt(good, path, value))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model2.parameters(), grads, strict=True))
+    assert repr(acc2) == counters and acc2.window_loss is not None
+
+
+def test_window_loss_survives_a_resume():
+    model, acc = mid_window()
+    want = acc.window_loss
+    _, acc2 = mid_window()
+    acc2.discard()
+    fresh = gradaccum.Accumulator(torch.optim.SGD(mlp().parameters(), lr=0.1), 3)
+    fresh.load_state_dict(acc.state_dict())
+    assert torch.equal(fresh.window_loss, want)
+    assert math.isfinite(float(fresh.window_loss))
+
+
+def test_a_closed_micro_batch_handle_refuses():
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    with acc.micro_batch() as mb:
+        mb.backward(loss_of(model))
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="ended"):
+        mb.backward(loss_of(model, 1))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert acc.micro_step == 1
+
+
+def test_an_error_inside_a_micro_batch_block_closes_the_handle_and_counts_nothing():
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    with pytest.raises(KeyError), acc.micro_batch() as mb:
+        mb.backward(loss_of(model))
+        raise KeyError("task 2")
+    assert mb.closed and acc.micro_step == 0
+    acc.discard()
+    assert all(p.grad is None for p in model.parameters())
