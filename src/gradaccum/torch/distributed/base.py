@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-__all__ = ["SYNC_MODES", "GradSync", "LocalSync", "SyncMode", "check_sync_mode"]
+__all__ = ["SYNC_MODES", "GradSync", "LocalSync", "SyncMode", "agree_on_count", "check_sync_mode"]
 
 SyncMode = Literal["window", "micro_batch"]
 SYNC_MODES: tuple[SyncMode, ...] = ("window", "micro_batch")
@@ -109,3 +109,24 @@ class LocalSync:
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """One rank: the values themselves."""
         return list(values)
+
+
+class _MaxOverRanks(Protocol):
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]: ...
+
+
+def agree_on_count(sync: _MaxOverRanks, count: int,
+                   flags: Sequence[bool] = ()) -> tuple[list[bool], int, int]:
+    """Where the ranks stand, in one MAX all-reduce of ``[flags..., count, -count]``.
+
+    Every rank must call it at the same point (flush, AutoBatch's out-of-memory agreement).
+
+    Returns:
+        For each flag whether any rank set it, then the smallest and the largest ``count``.
+
+    Example:
+        >>> agree_on_count(LocalSync(), 3, [True, False])
+        ([True, False], 3, 3)
+    """
+    *anyone, longest, minus_shortest = sync.max_over_ranks([*map(int, flags), count, -count])
+    return [bool(v) for v in anyone], -minus_shortest, longest

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.torch.distributed.base import SyncMode, check_sync_mode
+from gradaccum.torch.distributed.base import SyncMode, agree_on_count, check_sync_mode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -70,16 +70,15 @@ class RankGroups:
             ValueError: the ranks hold windows of different lengths. Every rank sees the same
                 reduced values, so every rank raises (none is left waiting in a collective).
         """
-        *anyone, longest, minus_shortest = self.max_over_ranks(
-            [*map(int, has_grad), micro_steps, -micro_steps])
-        if longest != -minus_shortest:
+        anyone, shortest, longest = agree_on_count(self, micro_steps, has_grad)
+        if longest != shortest:
             raise ValueError(
                 f"flush(): the ranks hold partial windows of different lengths (from "
-                f"{-minus_shortest} to {longest} micro-batches); every rank must feed the same "
+                f"{shortest} to {longest} micro-batches); every rank must feed the same "
                 "number of micro-batches per window, as DDP and FSDP require (a DistributedSampler "
                 "gives every rank the same number of batches)"
             )
-        return None if longest == 0 else [n > 0 for n in anyone]
+        return None if longest == 0 else anyone
 
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over every data-parallel rank (one MAX

@@ -30,6 +30,7 @@ import torch
 from gradaccum.core import check_positive_int, split_sizes
 from gradaccum.torch._validate import Reduction
 from gradaccum.torch.accumulator import Accumulator
+from gradaccum.torch.distributed.base import agree_on_count
 from gradaccum.torch.memory.oom import cuda_in_use, is_oom_error, release_memory
 from gradaccum.torch.memory.split import batch_size, split_batch
 
@@ -190,13 +191,13 @@ class AutoBatch:
 
     def _agree(self, oom: bool, parts: int) -> bool:
         """True when any rank ran out; every rank reaches this once per attempt."""
-        flag, most, neg_least = self._sync.max_over_ranks([int(oom), parts, -parts])
-        if most != -neg_least:
+        (anyone,), least, most = agree_on_count(self._sync, parts, [oom])
+        if most != least:
             self.acc.discard()
             raise ValueError(
-                f"the ranks split their global batches into {-neg_least} to {most} micro-batches: "
+                f"the ranks split their global batches into {least} to {most} micro-batches: "
                 "give every rank as many items (a DistributedSampler does)")
-        return bool(flag)
+        return anyone
 
     # ------------------------------------------------------------------ after an attempt
     def _succeeded(self, size: int, total: int) -> None:

@@ -1,0 +1,91 @@
+"""The shape of the package: no import cycle, floors that never import upwards, a lean
+``import gradaccum``, small modules, and every public name of 0.1.0 still importable."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradaccum
+
+grimp = pytest.importorskip("grimp")
+
+SRC = Path(gradaccum.__file__).parent
+# Lower floors never import higher ones: core < torch, mindspore < demos, bench < cli.
+FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.mindspore"),
+          ("gradaccum.core", "gradaccum.demos"), ("gradaccum.core", "gradaccum.bench"),
+          ("gradaccum.core", "gradaccum.cli"), ("gradaccum.torch", "gradaccum.mindspore"),
+          ("gradaccum.torch", "gradaccum.demos"), ("gradaccum.torch", "gradaccum.bench"),
+          ("gradaccum.torch", "gradaccum.cli"), ("gradaccum.mindspore", "gradaccum.torch"),
+          ("gradaccum.mindspore", "gradaccum.demos"), ("gradaccum.mindspore", "gradaccum.cli"),
+          ("gradaccum.demos", "gradaccum.cli"), ("gradaccum.bench", "gradaccum.cli")]
+PUBLIC_0_1_0 = [
+    "Accumulator", "AutoBatch", "CheckReport", "MemoryEstimate", "MicroBatch", "NoMicroBatchFitsError",
+    "Schedule", "WindowBatchNorm", "__version__", "batch_size", "check_batch_sizes", "check_equivalence",
+    "is_oom_error", "lr_scale", "parse_schedule", "resolve_batch_sizes", "restore_batchnorm",
+    "restore_momentum_", "scale_momentum_", "scaled_momentum", "split_batch", "split_sizes",
+    "to_groupnorm", "to_window_batchnorm", "window_batchnorm",
+]
+TORCH_0_1_0 = [
+    "Accumulator", "AutoBatch", "CheckReport", "Hazard", "MicroBatch", "NoMicroBatchFitsError",
+    "TensorDiff", "WindowBatchNorm", "batch_size", "check_equivalence", "is_oom_error",
+    "restore_batchnorm", "restore_momentum_", "scale_momentum_", "split_batch", "to_groupnorm",
+    "to_window_batchnorm", "window_batchnorm",
+]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return grimp.build_graph("gradaccum")
+
+
+def test_no_import_cycle_counting_lazy_imports(graph):
+    cycles = []
+    for importer in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(importer):
+            if graph.chain_exists(importer=imported, imported=importer):
+                cycles.append((*graph.find_shortest_chain(importer=imported, imported=importer), imported))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("low, high", FLOORS)
+def test_a_lower_floor_never_imports_a_higher_one(graph, low, high):
+    assert not graph.chain_exists(importer=low, imported=high, as_packages=True), \
+        graph.find_shortest_chains(importer=low, imported=high, as_packages=True)
+
+
+def test_import_gradaccum_needs_neither_tqdm_nor_matplotlib():
+    # torch.hub imports tqdm when it is installed, so blocking them is the test: with both
+    # unimportable, import gradaccum must still work and load no command or demo module.
+    code = ("import sys; sys.modules['tqdm'] = None; sys.modules['matplotlib'] = None; "
+            "import gradaccum, gradaccum.torch; "
+            "print(sorted(m for m in sys.modules if m.startswith(('gradaccum.cli', 'gradaccum.demos', "
+            "'gradaccum.bench', 'gradaccum.mindspore'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_torch_adapter_has_at_most_twelve_top_level_modules():
+    assert len(list((SRC / "torch").glob("*.py"))) <= 12
+
+
+def test_no_library_module_over_350_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 350}
+    assert not long
+
+
+def test_every_public_name_of_0_1_0_still_imports():
+    import gradaccum.torch
+
+    assert set(PUBLIC_0_1_0) <= set(gradaccum.__all__)
+    for name in PUBLIC_0_1_0:
+        assert getattr(gradaccum, name) is not None
+    for name in TORCH_0_1_0:
+        assert getattr(gradaccum.torch, name) is getattr(gradaccum, name, getattr(gradaccum.torch, name))
+
+
+def test_the_version_is_written_once():
+    pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and "\nversion =" not in pyproject
