@@ -231,3 +231,19 @@ def test_no_gradient_in_a_window_warns_once():
         for _ in range(3):
             acc.backward(nn.functional.cross_entropy(other(x), y))  # a loss from another model
     assert sum("received a gradient" in str(w.message) for w in caught) == 1
+
+
+def test_autobatch_feeds_summed_losses_with_empty_micro_batches():
+    model = tiny_lm()
+    ref = clone_model(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    auto = gradaccum.AutoBatch(gradaccum.Accumulator(opt, 1), micro_batch=2)
+    tokens, targets = padded(6, 5, seed=7, empty=(2, 3))  # the second micro-batch has no target
+
+    def loss_fn(mb):
+        return lm_loss(model, mb[0], mb[1], "sum"), gradaccum.count_tokens(mb[1])
+
+    assert auto.step((tokens, targets), loss_fn, reduction="sum")
+    full_batch_step(ref, ref_opt, tokens, targets)
+    assert auto.last_sizes == [2, 2, 2]
+    assert_params_close(model, ref, torch.float64)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
 
+from gradaccum.core.validate import check_nonneg_int
 from gradaccum.core.window import Window
 
 __all__ = ["COUNTERS", "FORMAT_VERSION", "check_state_record", "param_signature", "window_from_record"]
@@ -64,7 +65,7 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
         >>> check_state_record({**ok, "optimizer_steps": -5}, 2, [[[3], "f32"]])
         Traceback (most recent call last):
         ...
-        ValueError: state['optimizer_steps'] must be an integer >= 0, got -5
+        ValueError: state['optimizer_steps'] must be a non-negative integer, got -5
     """
     if not isinstance(state, Mapping) or "grads" not in state or "window" not in state:
         raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
@@ -85,7 +86,7 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
     if len(grads) != len(signature):
         raise ValueError(f"state['grads'] holds {len(grads)} gradients for {len(signature)} parameters")
     for key in counters:
-        _nonneg_int(f"state[{key!r}]", state[key])
+        check_nonneg_int(f"state[{key!r}]", state[key])
     return window_from_record(state["window"])
 
 
@@ -105,10 +106,10 @@ def window_from_record(w: Any) -> Window:
     missing = [k for k in ("size", "micro_step", "weighting", "items") if k not in w]
     if missing:
         raise ValueError(f"state['window'] is missing {', '.join(map(repr, missing))}")
-    size = _nonneg_int("state['window']['size']", w["size"])
+    size = check_nonneg_int("state['window']['size']", w["size"])
     if size < 1:
         raise ValueError(f"state['window']['size'] must be >= 1, got {size}")
-    micro = _nonneg_int("state['window']['micro_step']", w["micro_step"])
+    micro = check_nonneg_int("state['window']['micro_step']", w["micro_step"])
     if micro >= size:
         raise ValueError(f"state['window']['micro_step'] must be in [0, {size}) for a window of "
                          f"{size}, got {micro}")
@@ -142,14 +143,6 @@ def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
             f"; first difference at parameter {_first_difference(saved, ours)}")
         raise ValueError(
             f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}")
-
-
-def _nonneg_int(name: str, value: Any) -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
-        if isinstance(value, Integral) and not isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        raise TypeError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
 
 
 def _nonneg_finite(x: Real) -> bool:
