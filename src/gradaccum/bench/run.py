@@ -10,12 +10,12 @@ import torch
 
 from gradaccum.bench.config import FULL, SMOKE
 from gradaccum.bench.exactness import run_exactness
+from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.overhead import run_overhead
 from gradaccum.bench.plots import plot_exactness, plot_memory, plot_overhead
 from gradaccum.bench.report import TIME_TARGET, Results, write_report
 from gradaccum.bench.resident import run_resident
 from gradaccum.bench.sweep import run_sweep
-from gradaccum.cli.info import describe_machine
 
 __all__ = ["FIGURES", "REPORT", "run_bench"]
 
