@@ -15,6 +15,7 @@ import gradaccum
 from gradaccum.bench.gpu.host_sync import sync_guard
 from gradaccum.bench.gpu.report import SMOKE_VERDICT, Row, exit_status, verdict
 from gradaccum.bench.gpu.run import CHECKS, CheckSpec, main, run_check
+from gradaccum.bench.report import kept_sections
 
 CPU = torch.device("cpu")
 SRC = str(Path(gradaccum.__file__).resolve().parents[1])
@@ -134,3 +135,10 @@ def test_verdicts():
     row.met = None
     assert verdict(row) == "measured (no target)"
     assert verdict(Row("x", "x", "crashed", smoke=True, error="E: m")) == "CRASH (E: m)"
+
+
+def test_benchmarks_doc_has_the_gpu_section_that_regenerating_it_keeps():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md").read_text()
+    kept = kept_sections(text)
+    assert kept and kept[0] == "## GPU" and "bash scripts/gpu_check.sh" in "\n".join(kept)
+    assert all(f"| {i}. " in "\n".join(kept) for i in range(1, 9))  # a row per check

@@ -150,7 +150,7 @@ def run(ctx: Context) -> Outcome:
     ctx.record(median_ms=ms, ratio=ratio, ratio_quartiles=quartiles, peak_bytes=peaks,
                peak_diff_bytes=diff, stdev_ms={n: 1000 * statistics.pstdev(s)
                                                for n, s in timings.samples.items()})
-    measured = (f"{micro}x{STEPS} of {config.block} tokens: {ms['gradaccum']:.1f} vs "
+    measured = (f"{micro} x {STEPS} sequences of {config.block}: {ms['gradaccum']:.1f} vs "
                 f"{ms['hand-written']:.1f} ms/window, ratio {ratio:.3f} [{quartiles[0]:.3f}, "
                 f"{quartiles[1]:.3f}], {len(timings.samples['gradaccum'])} rounds; peak diff {diff:+,} B")
     met = None if ctx.smoke else ratio <= RATIO_TARGET and diff == 0
