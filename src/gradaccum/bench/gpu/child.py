@@ -40,7 +40,8 @@ def run_child(module: str, result: Path | None, device: str, deadline: float) ->
         Whatever the check raised, after writing ``{"status": "crashed"}``.
     """
     start = time.time()
-    ctx = Context(torch.device(device), deadline, result)
+    # An explicit index: some CUDA calls (set_per_process_memory_fraction) reject a bare "cuda".
+    ctx = Context(torch.device("cuda", 0) if device == "cuda" else torch.device(device), deadline, result)
     if ctx.smoke:
         torch.set_num_threads(1)  # tiny models: one thread is faster, and CI has two cores
     ctx.write({"status": "running"})

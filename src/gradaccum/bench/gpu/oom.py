@@ -48,16 +48,15 @@ def _release() -> None:
 
 def _real_oom(ctx: Context, fail_above: int | None, shape: tuple[int, ...]) -> tuple[str, bool]:
     """One step far above the cap: the error's first line, and whether is_oom_error knows it."""
-    model = _model(ctx, fail_above)
-    size = 8 if ctx.smoke else 8192
+    model: torch.nn.Module | None = _model(ctx, fail_above)
+    x: torch.Tensor | None = torch.randn(8 if ctx.smoke else 8192, *shape, device=ctx.device)
     try:
-        x = torch.randn(size, *shape, device=ctx.device)
-        model(x).square().mean().backward()
+        model(x).square().mean().backward()  # type: ignore[misc]
         return "no error", False
     except Exception as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:90]}", gradaccum.is_oom_error(error)
     finally:
-        del model
+        model = x = None  # the step's tensors go before the cache is emptied
         _release()
 
 

@@ -1,10 +1,10 @@
 """``python -m gradaccum.bench.gpu``: every GPU check, each time-boxed in a process of its own
 (:mod:`gradaccum.bench.gpu.child`, forked from a server that has imported torch once).
 
-With CUDA, each check runs at its real size within its time box (the boxes add up to 7.5
-minutes); without CUDA (or with ``--smoke``), each runs its CPU smoke: tiny sizes, the same code.
-A check that runs out is killed (with any process it started) and its row says so; the next one
-runs. Prints the table and writes ``report.md``, ``report.json`` and ``logs/`` into ``--out``.
+With CUDA, each check runs at its real size within its time box (the boxes add up to 440 s);
+without CUDA (or with ``--smoke``), each runs its CPU smoke: tiny sizes, the same code. A check
+that runs out is killed (with any process it started) and its row says so; the next one runs.
+Prints the table and writes ``report.md``, ``report.json`` and ``logs/`` into ``--out``.
 
 Exit status: 0 when every check returned its figures, PASS or FAIL (a missed target is the
 report's news, not a failed command); 1 when a check raised, or when a smoke check ran out of time
@@ -55,7 +55,7 @@ class CheckSpec:
 
 CHECKS = (
     CheckSpec("overhead", "gradaccum.bench.gpu.overhead",
-              "overhead: ~100 M GPT, bf16 autocast, vs nanoGPT's loop", 110),
+              "overhead: ~100 M GPT, bf16 autocast, vs nanoGPT's loop", 100),
     CheckSpec("host_sync", "gradaccum.bench.gpu.host_sync",
               "no host sync in a window (sync debug mode 'error')", 30),
     CheckSpec("fp16_scaler", "gradaccum.bench.gpu.fp16_scaler",
