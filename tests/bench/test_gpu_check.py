@@ -142,3 +142,24 @@ def test_benchmarks_doc_has_the_gpu_section_that_regenerating_it_keeps():
     kept = kept_sections(text)
     assert kept and kept[0] == "## GPU" and "bash scripts/gpu_check.sh" in "\n".join(kept)
     assert all(f"| {i}. " in "\n".join(kept) for i in range(1, 9))  # a row per check
+
+
+FLOOR = """
+import importlib, pkgutil, sys
+import gradaccum.bench
+for m in pkgutil.walk_packages(gradaccum.bench.__path__, "gradaccum.bench."):
+    if not m.name.endswith("__main__"):
+        importlib.import_module(m.name)
+{extra}
+print(sorted(m for m in sys.modules if m.startswith("gradaccum.cli")))
+"""
+
+
+@pytest.mark.parametrize("extra, cli", [
+    ("", []),
+    ("import gradaccum.cli.info", ["gradaccum.cli", "gradaccum.cli.info"]),  # the negative twin
+])
+def test_the_bench_floor_imports_nothing_from_cli(extra, cli):
+    out = subprocess.run([sys.executable, "-c", FLOOR.format(extra=extra)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": SRC}, check=True, timeout=300)
+    assert out.stdout.strip() == str(cli)
