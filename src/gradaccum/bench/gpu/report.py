@@ -10,7 +10,7 @@ from typing import Any
 
 from gradaccum.bench.gpu.check import to_jsonable
 
-__all__ = ["SMOKE_VERDICT", "Row", "exit_status", "markdown", "verdict", "write_report"]
+__all__ = ["SMOKE_VERDICT", "Row", "exit_status", "markdown", "table", "verdict", "write_report"]
 
 SMOKE_VERDICT = "no CUDA: smoke"
 
@@ -79,23 +79,32 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: float) -> str:
-    """The report: the machine, then the table of checks."""
-    lines = ["# GPU check", "",
-             f"`bash scripts/gpu_check.sh`, mode **{mode}**, {seconds:.0f} s in all. "
-             "Raw numbers: `report.json`; each check's log: `logs/`.", "",
-             "| setting | value |", "|---|---|"]
-    lines += [f"| {k} | {_cell(v)} |" for k, v in machine.items()]
-    lines += ["", "| check | measured | target | verdict |", "|---|---|---|---|"]
+def table(rows: Sequence[Row]) -> list[str]:
+    """The table of checks: one row each (check, measured, target, verdict)."""
+    lines = ["| check | measured | target | verdict |", "|---|---|---|---|"]
     for i, row in enumerate(rows, 1):
         measured = row.measured
         if row.status == "timeout":
-            measured = f"ran out of its {row.budget_s:.0f} s (partial numbers in report.json)"
+            measured = f"ran out of its {row.budget_s:.0f} s (partial numbers below)"
         elif row.status == "crashed":
             measured = f"raised after {row.seconds:.0f} s: see {row.log}"
         lines.append(f"| {i}. {_cell(row.title)} | {_cell(measured)} | {_cell(row.target)} | "
                      f"{_cell(verdict(row))} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def markdown(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: float) -> str:
+    """The report: the machine, the table of checks, then every raw number of each check."""
+    lines = ["# GPU check", "",
+             f"`bash scripts/gpu_check.sh`, mode **{mode}**, {seconds:.0f} s in all. "
+             "Raw numbers: below and in `report.json`; each check's log: `logs/`.", "",
+             "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {_cell(v)} |" for k, v in machine.items()]
+    lines += ["", *table(rows), "", "## Raw numbers", ""]
+    for i, row in enumerate(rows, 1):
+        lines += [f"### {i}. {row.name}: {row.status}, {row.seconds:.1f} s", "", "```json",
+                  json.dumps(to_jsonable(row.raw), indent=1), "```", ""]
+    return "\n".join(lines)
 
 
 def write_report(out: Path, rows: Sequence[Row], machine: dict[str, str], mode: str,

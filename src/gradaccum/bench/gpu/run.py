@@ -196,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     rows = run_checks(specs, args.out, device)
-    machine = {**describe_machine(), "device": device}
-    print(write_report(args.out, rows, machine, mode, time.time() - start))
+    machine = {**describe_machine(), "device": device,
+               "check_threads": "1 (smoke)" if device == "cpu" else "torch's default",
+               "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    text = write_report(args.out, rows, machine, mode, time.time() - start)
+    print(text[:text.index("## Raw numbers")].rstrip())
     print(f"written: {args.out / 'report.md'}, {args.out / 'report.json'}")
     return exit_status(rows)
