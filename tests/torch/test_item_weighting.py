@@ -247,3 +247,39 @@ def test_autobatch_feeds_summed_losses_with_empty_micro_batches():
     full_batch_step(ref, ref_opt, tokens, targets)
     assert auto.last_sizes == [2, 2, 2]
     assert_params_close(model, ref, torch.float64)
+
+
+def test_fp16_with_varying_counts_skips_no_more_windows_than_without():
+    # Padded micro-batches: counts vary, so the provisional total is size times the largest count
+    # seen, which keeps every micro-batch's factor at most 1/N once the counts are known.
+    lengths = torch.randint(32, 257, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    it = iter(lengths)
+    plain = fp16_skips(lambda acc, loss, n: acc.backward(loss))
+    weighted = fp16_skips(lambda acc, loss, n: acc.backward(loss, n_items=next(it)))
+    assert weighted <= plain
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_resume_mid_window_with_varying_counts_is_bitwise_equal(as_tensor):
+    def run(stop_at=None, state=None):
+        model = tiny_lm(torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        acc = gradaccum.Accumulator(opt, 3)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            acc.load_state_dict(state["acc"])
+        tokens, targets = padded(24, 6, seed=9)
+        for i, (tb, yb) in enumerate(zip(tokens.split(2), targets.split(2), strict=True)):
+            if state is not None and i < state["i"]:
+                continue
+            if i == stop_at:
+                return {"model": model.state_dict(), "opt": opt.state_dict(), "acc": acc.state_dict(),
+                        "i": i}
+            n = gradaccum.count_tokens(yb)
+            acc.backward(lm_loss(model, tb, yb), n if as_tensor else int(n))
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole = run()
+    resumed = run(state=run(stop_at=7))  # window 3, micro-step 1
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))

@@ -1,4 +1,5 @@
-"""What happens at a window boundary, from the reduction across ranks to the optimizer step.
+"""What happens at a window boundary, from the reduction across ranks to the optimizer step, and
+the count arithmetic behind the provisional item total.
 
 :func:`apply_window` is the accumulator's boundary without its bookkeeping: it reduces the
 window's item total (and, across ranks, its loss sum), skips a summed window of no items,
@@ -22,7 +23,7 @@ from gradaccum.torch._state import is_nonzero
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync
 
-__all__ = ["Outcome", "apply_window", "sum_losses"]
+__all__ = ["Outcome", "apply_window", "at_least_one", "largest", "sum_losses"]
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,40 @@ class Outcome:
     Attributes:
         stepped: the optimizer stepped.
         loss: the window's loss record; None when the window held no items (keep the last one).
-        items_scale: across ranks, the window's item total per rank (the next window's
-            provisional total); None to keep the current one.
+        most: across ranks, the largest micro-batch count of the window on any rank; None
+            on one process (the accumulator tracks it itself).
         grad_norm: the gradient's norm before clipping, when clipping or a check computed it.
         no_grads: no parameter of the optimizer had a gradient.
     """
 
     stepped: bool
     loss: WindowLoss | None = None
-    items_scale: Any = None
+    most: Any = None
     grad_norm: torch.Tensor | None = None
     no_grads: bool = False
+
+
+def largest(a: Any, b: Any) -> Any:
+    """The larger of two counts (numbers or 0-dim tensors), with no host read; None is "none yet".
+
+    Example:
+        >>> largest(None, 3), largest(3, 5), largest(torch.tensor(4.0), 2)
+        (3, 5, tensor(4.))
+    """
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        t = a if isinstance(a, torch.Tensor) else b
+        return torch.maximum(torch.as_tensor(a, dtype=t.dtype, device=t.device),
+                             torch.as_tensor(b, dtype=t.dtype, device=t.device))
+    return max(a, b)
+
+
+def at_least_one(count: Any) -> Any:
+    """``count``, or 1 where it is 0 (a provisional total must not be 0); no host read."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, count, torch.ones_like(count))
+    return count if count > 0 else 1
 
 
 def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -52,7 +76,7 @@ def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return losses[0] if len(losses) == 1 else torch.stack(list(losses)).sum()
 
 
-def apply_window(window: Window, losses: Sequence[torch.Tensor], sync: GradSync,
+def apply_window(window: Window, losses: Sequence[torch.Tensor], most: Any, sync: GradSync,
                  precision: Precision, clip_norm: float | None) -> Outcome:
     """Reduce, normalize, clip and step for one complete (or flushed) window.
 
@@ -63,15 +87,14 @@ def apply_window(window: Window, losses: Sequence[torch.Tensor], sync: GradSync,
     sync.check_forward()
     distributed = sync.world_size > 1
     items = window.items if window.weighting == "items" else None
-    loss_sum, items = sync.reduce_window(sum_losses(losses) if distributed else None, items)
+    loss_sum, items, most = sync.reduce_window(sum_losses(losses) if distributed else None, items,
+                                               most if distributed else None)
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
-    empty = window.summed and not is_nonzero(items)
-    scale = items if distributed and items is not None and not empty else None
-    if empty:
-        return Outcome(False, items_scale=scale)
+    if window.summed and not is_nonzero(items):
+        return Outcome(False, most=most)
     factor = window.grad_factor(items)
     loss = WindowLoss((loss_sum,) if distributed else tuple(losses), factor)
     grads = precision.window_grads()
     norm = scale_and_clip_(grads, factor, clip_norm)
     stepped, norm = precision.step(grads, norm)
-    return Outcome(stepped, loss, scale, norm, no_grads=not grads)
+    return Outcome(stepped, loss, most, norm, no_grads=not grads)

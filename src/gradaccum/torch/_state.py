@@ -38,7 +38,7 @@ def window_state(window: Window) -> dict[str, Any]:
 
 
 def pack_state(window: Window, steps: Any, counters: dict[str, int], loss_sum: torch.Tensor | None,
-               window_loss: torch.Tensor | None, items_scale: Any, params: Sequence[torch.Tensor],
+               window_loss: torch.Tensor | None, most_items: tuple[Any, Any], params: Sequence[torch.Tensor],
                accum: Any) -> dict[str, Any]:
     """The accumulator's state as a checkpoint record (tensors copied, so later micro-batches
     leave it as it was)."""
@@ -49,7 +49,8 @@ def pack_state(window: Window, steps: Any, counters: dict[str, int], loss_sum: t
         **counters,
         "loss_sum": clone_scalar(loss_sum),
         "window_loss": clone_scalar(window_loss),
-        "items_scale": clone_scalar(items_scale),
+        "most_items": clone_scalar(most_items[0]),
+        "window_most_items": clone_scalar(most_items[1]),
         "param_signature": param_signature(params),
         "grads": snapshot_grads(params),
         "accum": accum,
@@ -72,7 +73,8 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
     saved = state["window"]
     for name, value, numbers_ok in (("state['window']['items']", saved["items"], True),
                                     ("state['window']['scale']", saved.get("scale"), True),
-                                    ("state['items_scale']", state.get("items_scale"), True),
+                                    ("state['most_items']", state.get("most_items"), True),
+                                    ("state['window_most_items']", state.get("window_most_items"), True),
                                     ("state['loss_sum']", state.get("loss_sum"), False),
                                     ("state['window_loss']", state.get("window_loss"), False)):
         _check_scalar(name, value, numbers_ok)

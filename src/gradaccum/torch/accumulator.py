@@ -13,7 +13,7 @@ from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window, is_one
-from gradaccum.torch._boundary import apply_window, sum_losses
+from gradaccum.torch._boundary import apply_window, at_least_one, largest, sum_losses
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
@@ -100,7 +100,8 @@ class Accumulator(WindowHooks):
         self.grad_norm: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []  # this window's scaled losses (an append per micro-step)
         self._last_loss: WindowLoss | None = None
-        self._items_scale: Any = None  # under DDP/FSDP2: the last window's item total per rank
+        self._most: Any = None  # largest micro-batch count of past windows (all ranks) / this window
+        self._window_most: Any = None
         self._warned_no_grad = False
         self._open_window()
 
@@ -164,7 +165,7 @@ class Accumulator(WindowHooks):
         check_loss(loss)
         window, factor = self._next(n, reduction == "sum")
         self._backward(loss, factor)
-        return self._commit(window)
+        return self._commit(window, n)
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -188,7 +189,7 @@ class Accumulator(WindowHooks):
         window, factor = self._next(n, reduction == "sum")
         with micro_batch_block(self._backward, factor) as mb:
             yield mb
-        mb.stepped = self._commit(window)
+        mb.stepped = self._commit(window, n)
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -242,12 +243,11 @@ class Accumulator(WindowHooks):
         return nxt, nxt.loss_factor(n, summed=summed)
 
     def _provisional(self, n: Any, size: int) -> Any:
-        """The item total the window's losses are scaled against (corrected at the boundary)."""
-        if self._sync.world_size > 1:  # must be equal on every rank: the last window's total
-            return float(size) if self._items_scale is None else self._items_scale
-        if isinstance(n, torch.Tensor):
-            return torch.where(n > 0, n, 1.0) * size
-        return size * n if n > 0 else size
+        """The item total the losses are scaled against: ``size`` times the largest count seen (so
+        no factor exceeds 1/size once counts are known); across ranks, past windows' only."""
+        if self._sync.world_size > 1:
+            return float(size) if self._most is None else at_least_one(self._most) * size
+        return at_least_one(largest(self._most, n)) * size
 
     def _backward(self, loss: torch.Tensor, factor: Any) -> None:
         if not is_one(factor):
@@ -255,8 +255,10 @@ class Accumulator(WindowHooks):
         self._precision.backward(loss)
         self._losses.append(loss.detach())
 
-    def _commit(self, window: Window) -> bool:
+    def _commit(self, window: Window, n: Any) -> bool:
         self._window = window
+        if n is not None:
+            self._window_most = largest(self._window_most, n)
         if window.complete:
             return self._apply()
         if window.next_is_last:
@@ -282,9 +284,9 @@ class Accumulator(WindowHooks):
         return stepped
 
     def _step(self, window: Window) -> bool:
-        out = apply_window(window, self._losses, self._sync, self._precision, self.clip_norm)
-        if out.items_scale is not None:
-            self._items_scale = out.items_scale
+        out = apply_window(window, self._losses, self._window_most, self._sync, self._precision,
+                           self.clip_norm)
+        self._most = largest(self._most, out.most if self._sync.world_size > 1 else self._window_most)
         if out.loss is not None:
             self._last_loss = out.loss
             self.grad_norm = out.grad_norm
@@ -304,6 +306,7 @@ class Accumulator(WindowHooks):
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
         self._losses = []
+        self._window_most = None
         self._window = Window(self._window.size)
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,8 +320,8 @@ class Accumulator(WindowHooks):
         if not self._window.empty:
             self._sync.check_saveable()
         return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
-                          sum_losses(self._losses), self.window_loss, self._items_scale, self._params,
-                          self._precision.state_dict())
+                          sum_losses(self._losses), self.window_loss, (self._most, self._window_most),
+                          self._params, self._precision.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
@@ -337,10 +340,10 @@ class Accumulator(WindowHooks):
         self._losses = [] if state.get("loss_sum") is None else [state["loss_sum"]]
         last = state.get("window_loss")
         self._last_loss = None if last is None else WindowLoss((last,), 1.0)
-        self._items_scale = state.get("items_scale")
+        self._most, self._window_most = state.get("most_items"), state.get("window_most_items")
         self._window = window
         self._sync.prepare(window.next_is_last)
 
     def __repr__(self) -> str:
-        return (f"Accumulator(steps={self.schedule.describe()!r}, micro_step={self.micro_step}, "
-                f"optimizer_steps={self.optimizer_steps})")
+        steps, micro, done = self.schedule.describe(), self.micro_step, self.optimizer_steps
+        return f"Accumulator(steps={steps!r}, micro_step={micro}, optimizer_steps={done})"

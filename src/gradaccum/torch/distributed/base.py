@@ -62,8 +62,9 @@ class GradSync(Protocol):
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Reduce a flushed window's gradients now; called on every rank, even with 0 micro-steps."""
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
-        """Return ``(loss_sum, items)`` averaged over ranks; ``None`` entries stay ``None``."""
+    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
+        """Return ``(loss_sum, items)`` averaged over ranks and the largest ``most`` of any rank;
+        ``None`` entries stay ``None``."""
 
     def check_saveable(self) -> None:
         """Raise if a partial window's gradients are not in ``.grad`` (so no checkpoint holds them)."""
@@ -93,9 +94,9 @@ class LocalSync:
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Nothing to synchronize."""
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
+    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
         """Return the values unchanged."""
-        return loss_sum, items
+        return loss_sum, items, most
 
     def check_saveable(self) -> None:
         """The partial gradients are in ``.grad``."""

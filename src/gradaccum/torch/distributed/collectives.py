@@ -39,25 +39,42 @@ class RankGroups:
         for group in self.groups:
             dist.all_reduce(tensor, op=op, group=group)
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
-        """Average the loss sum and the item total over ranks in a single all-reduce.
+    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
+        """Average the loss sum and the item total over ranks, and find the largest micro-batch
+        count of any rank, in a single all-reduce.
 
         Gradients are averaged over ranks (DDP and FSDP2 divide by the world size), so the
         averaged item total is the divisor that turns them into the global item-weighted mean.
+        The largest count travels in this rank's own slot of the same vector (a SUM of one-hot
+        slots gathers every rank's value), so no second collective is needed.
         """
-        values = [loss_sum, items]
-        present = [v for v in values if v is not None]
-        if not present:
-            return loss_sum, items
-        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                           for v in present])
+        present = [v for v in (loss_sum, items) if v is not None]
+        if not present and most is None:
+            return loss_sum, items, most
+        vec = torch.zeros(len(present) + (self.world_size if most is not None else 0),
+                          dtype=torch.float64, device=self.device)
+        if present:
+            vec[:len(present)] = torch.stack([
+                torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in present])
+        if most is not None:
+            vec[len(present) + self.rank_index] = torch.as_tensor(most, dtype=torch.float64,
+                                                                  device=self.device)
         self.all_reduce(vec)
-        vec.div_(self.world_size)
-        out = iter(vec.unbind())
+        means = vec[:len(present)] / self.world_size
+        out = iter(means.unbind())
         loss = None if loss_sum is None else next(out)
         if isinstance(loss_sum, torch.Tensor) and loss is not None:
             loss = loss.to(loss_sum.dtype)
-        return loss, None if items is None else next(out)
+        total = None if items is None else next(out)
+        return loss, total, None if most is None else vec[len(present):].max()
+
+    @property
+    def rank_index(self) -> int:
+        """This rank's index among the data-parallel ranks, in [0, world_size)."""
+        index = 0
+        for group in self.groups:
+            index = index * dist.get_world_size(group) + dist.get_rank(group)
+        return index
 
     def agree_on_length(self, micro_steps: int, has_grad: Sequence[bool] = ()) -> list[bool] | None:
         """One MAX all-reduce of ``[has_grad..., r, -r]`` before a flushed window is reduced.
