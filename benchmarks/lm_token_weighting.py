@@ -17,7 +17,7 @@ weight decay, gradient clipping at 1.0), interleaved step by step in one process
 
 It prints the machine, versions and threads, and a table of the largest absolute parameter
 difference from the full batch after some steps, and the mean training loss of the last steps;
-``--plot`` draws the loss curves and the parameter difference over the steps.
+``--plot`` draws the loss curves, and the loss and parameter differences over the steps.
 
     python benchmarks/lm_token_weighting.py [--steps 200] [--micro 4] [--accum 4] [--dtype float64]
         [--threads 1] [--layers 2] [--width 96] [--seq 48] [--plot docs/lm_token_weighting.png]
