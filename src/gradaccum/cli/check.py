@@ -15,6 +15,7 @@ from typing import Any
 __all__ = ["add_parser", "load_factory", "parse_shape"]
 
 DTYPES = ("float64", "float32")
+LOSSES = ("mse", "cross-entropy", "token-cross-entropy")
 
 
 def load_factory(spec: str) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
@@ -81,12 +82,16 @@ def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tup
     import torch
 
     if args.sample is not None:
+        if args.vocab is not None:
+            raise ValueError("--vocab draws token ids for --input-shape; a --sample holds its own")
         loaded = torch.load(args.sample, weights_only=True)
         if isinstance(loaded, dict):
             return loaded["inputs"], loaded.get("targets")
         return loaded, None
     if args.input_shape is not None:
         return parse_shape(args.input_shape), None
+    if args.vocab is not None:
+        raise ValueError("--vocab draws token ids of --input-shape: give --input-shape too")
     if demo_shape is None:
         raise ValueError("give --input-shape or --sample for a model that is not a demo model")
     return demo_shape, None
@@ -103,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
         report = check_equivalence(
             factory, sample, args.steps, micro_batch=args.micro_batch, targets=targets,
             loss=args.loss, dtype=getattr(torch, args.dtype), atol=args.atol, rtol=args.rtol,
-            seed=args.seed, device=args.device, label=args.model,
+            seed=args.seed, device=args.device, label=args.model, vocab=args.vocab,
         )
     except (ValueError, TypeError, ImportError, KeyError, OSError) as err:
         print(f"gradaccum check: error: {err}", file=sys.stderr)
@@ -122,14 +127,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "2: usage error.")
     p.add_argument("--model", required=True,
                    help="a demo model (mlp, cnn, cnn-bn, bench-cnn) or an importable module:factory")
-    p.add_argument("--input-shape", help="one sample's shape, e.g. 1,28,28 (random normal inputs)")
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 1,28,28 (random normal inputs; "
+                                         "token ids with --vocab)")
+    p.add_argument("--vocab", type=int,
+                   help="with --input-shape: draw int64 token ids in [0, VOCAB) (a token model)")
     p.add_argument("--sample", help="a torch.save'd batch: a tensor, a tuple of tensors, or "
-                                    "{'inputs': ..., 'targets': ...}")
+                                    "{'inputs': ..., 'targets': ...} (token ids and labels for a "
+                                    "language model)")
     p.add_argument("--steps", type=int, default=4, help="micro-batches per window, N (default 4)")
     p.add_argument("--micro-batch", type=int, default=8,
                    help="samples per micro-batch with --input-shape (default 8)")
-    p.add_argument("--loss", choices=("mse", "cross-entropy"), default="mse",
-                   help="loss against random targets (default mse)")
+    p.add_argument("--loss", choices=LOSSES, default="mse",
+                   help="mse, cross-entropy (classes on dimension 1) or token-cross-entropy (a "
+                        "language model's [..., vocab] logits against token ids, -100 ignored, "
+                        "item-weighted); targets are random unless --sample holds them "
+                        "(default mse)")
     p.add_argument("--dtype", choices=DTYPES, default="float64",
                    help="run in this dtype (default float64: differences stand far above rounding)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default 1e-12 float64, 1e-6 float32)")

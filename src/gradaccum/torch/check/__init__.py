@@ -1,2 +1,2 @@
-"""Is accumulation exact for this model? The equivalence checker, its report, module hazards and
-the module tracing behind them (docs/CHECK.md)."""
+"""Is accumulation exact for this model? The equivalence checker, its losses (item-weighted ones
+included), its report, module hazards and the module tracing behind them (docs/CHECK.md)."""

@@ -17,12 +17,19 @@ from torch import nn
 from gradaccum.core.validate import check_positive_int
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.check.hazards import find_hazards
+from gradaccum.torch.check.losses import (
+    LossFn,
+    first_tensor,
+    item_count,
+    named_loss,
+    random_targets,
+    split_loss,
+)
 from gradaccum.torch.check.report import CheckReport, TensorDiff
 from gradaccum.torch.check.tracing import ModuleTrace, trace_modules
 
 __all__ = ["DEFAULT_TOLERANCES", "CheckReport", "TensorDiff", "check_equivalence"]
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # (atol, rtol) per dtype: a tensor agrees when max|diff| <= atol + rtol * max|reference|.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-12, 1e-9),
@@ -44,6 +51,7 @@ def check_equivalence(
     seed: int = 0,
     device: str | torch.device = "cpu",
     label: str = "",
+    vocab: int | None = None,
 ) -> CheckReport:
     """Run one optimizer step on a full batch and on ``steps`` micro-batches; compare.
 
@@ -52,18 +60,24 @@ def check_equivalence(
             ``torch.manual_seed(seed)``). It runs in training mode.
         sample: the full batch (a tensor, or a tuple of tensors passed as ``model(*sample)``,
             split along dimension 0), or the shape of one input sample: then the batch is
-            ``steps * micro_batch`` standard-normal samples.
+            ``steps * micro_batch`` standard-normal samples (token ids with ``vocab``).
         steps: the number of micro-batches (N); the batch size must be a multiple of it.
         micro_batch: samples per micro-batch when ``sample`` is a shape.
         targets: the full batch's targets; by default random ones (normal for ``"mse"``, class
-            indices for ``"cross-entropy"``), drawn from their own generator.
-        loss: ``"mse"``, ``"cross-entropy"``, or ``loss(output, targets)`` returning the mean
-            over the batch.
+            indices for the cross-entropy losses), drawn from their own generator.
+        loss: ``"mse"``, ``"cross-entropy"`` (classes on dimension 1), ``"token-cross-entropy"``
+            (a language model's ``[..., vocab]`` logits against token ids, -100 ignored,
+            item-weighted), or ``loss(output, targets)`` returning the batch's mean loss, or
+            ``(mean loss, n_items)``: its mean over ``n_items`` items (tokens). A pair makes both
+            runs item-weighted: the full batch's loss is the mean over all its items, and each
+            micro-batch goes through ``acc.backward(loss, n_items)``.
         dtype: convert the model and floating inputs to this dtype (``None``: leave as is).
         atol, rtol: the tolerance; defaults from :data:`DEFAULT_TOLERANCES` for the dtype.
         seed: seeds the weights (factory), the random batch and the RNG state of both runs.
         device: where to run.
         label: the model's name in the report.
+        vocab: with ``sample`` a shape, draw int64 token ids in ``[0, vocab)`` instead of
+            normal floats (for a model that starts with an embedding).
 
     Returns:
         A :class:`CheckReport`.
@@ -78,11 +92,14 @@ def check_equivalence(
         >>> check_equivalence(lambda: nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)),
         ...                   (4,), steps=2).hazards[0].module
         '1'
+        >>> lm = lambda: nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+        >>> check_equivalence(lm, (6,), steps=2, vocab=11, loss="token-cross-entropy").equivalent
+        True
     """
     steps = check_positive_int("steps", steps)
     _tolerance(dtype, atol, rtol)  # fail before building anything
     dev = torch.device(device)
-    loss_fn = _loss_fn(loss)
+    loss_fn = named_loss(loss)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         base = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
@@ -90,7 +107,7 @@ def check_equivalence(
             raise TypeError(f"model must be an nn.Module or a factory of one, got {type(base).__name__}")
         base = base.to(device=dev, dtype=dtype) if dtype is not None else base.to(dev)
         base.train()
-        inputs = _inputs(sample, steps, micro_batch, dtype, dev, seed)
+        inputs = _inputs(sample, steps, micro_batch, dtype, dev, seed, vocab)
     batch = inputs[0].shape[0]
     if batch % steps:
         raise ValueError(f"the batch of {batch} samples does not split into steps={steps} "
@@ -98,10 +115,10 @@ def check_equivalence(
     full_model, micro_model = copy.deepcopy(base), copy.deepcopy(base)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        full, targets = _full_step(full_model, inputs, targets, loss_fn, loss == "cross-entropy",
-                                   seed, dev)
+        full, targets, n_full = _full_step(full_model, inputs, targets, loss_fn, loss, seed, dev)
         torch.manual_seed(seed)
-        micro = _micro_steps(micro_model, inputs, targets, loss_fn, steps, dev)
+        micro, n_micro = _micro_steps(micro_model, inputs, targets, loss_fn, steps, dev,
+                                      weighted=n_full is not None)
     real_dtype = next((p.dtype for p in base.parameters()), dtype or torch.float32)
     atol, rtol = _tolerance(real_dtype, atol, rtol)
 
@@ -114,37 +131,27 @@ def check_equivalence(
     settings = {"model": label or type(base).__name__, "batch": batch, "steps": steps,
                 "micro_batch": batch // steps, "dtype": str(real_dtype).replace("torch.", ""),
                 "atol": atol, "rtol": rtol, "loss": loss if isinstance(loss, str) else "custom",
-                "device": str(dev)}
+                "device": str(dev), "n_items": n_full, "micro_n_items": n_micro}
     # A named module makes the verdict negative even when the numbers agree: the agreement is
     # then an accident (e.g. the CPU generator drew one dropout layer's masks in batch order).
     return CheckReport(all(d.ok for d in diffs) and not hazards, diffs, hazards, settings)
 
 
-def _loss_fn(loss: str | LossFn) -> LossFn:
-    if callable(loss):
-        return loss
-    if loss == "mse":
-        return lambda out, t: nn.functional.mse_loss(_first_tensor(out), t)
-    if loss == "cross-entropy":
-        return lambda out, t: nn.functional.cross_entropy(_first_tensor(out), t)
-    raise ValueError(f"loss must be 'mse', 'cross-entropy' or a callable, got {loss!r}")
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"the model returned {type(out).__name__}: pass loss=callable(output, targets)")
-
-
 def _inputs(sample: Any, steps: int, micro_batch: int, dtype: torch.dtype | None,
-            device: torch.device, seed: int) -> list[torch.Tensor]:
+            device: torch.device, seed: int, vocab: int | None) -> list[torch.Tensor]:
+    is_shape = isinstance(sample, (tuple, list)) and sample and all(isinstance(s, int) for s in sample)
+    if vocab is not None:
+        check_positive_int("vocab", vocab)
+        if not is_shape:
+            raise ValueError(f"vocab={vocab} draws token ids for a sample shape; sample is a "
+                             f"{type(sample).__name__} (it holds its own token ids)")
     if isinstance(sample, torch.Tensor):
         tensors = [sample]
-    elif isinstance(sample, (tuple, list)) and sample and all(isinstance(s, int) for s in sample):
+    elif is_shape:
         shape = (steps * check_positive_int("micro_batch", micro_batch), *sample)
-        tensors = [torch.randn(shape, generator=torch.Generator().manual_seed(seed))]
+        gen = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(shape, generator=gen) if vocab is None
+                   else torch.randint(0, vocab, shape, generator=gen)]
     elif isinstance(sample, (tuple, list)) and sample and all(isinstance(s, torch.Tensor) for s in sample):
         tensors = list(sample)
     else:
@@ -157,37 +164,41 @@ def _inputs(sample: Any, steps: int, micro_batch: int, dtype: torch.dtype | None
 
 
 def _full_step(model: nn.Module, inputs: list[torch.Tensor], targets: torch.Tensor | None,
-               loss_fn: LossFn, classes: bool, seed: int,
-               device: torch.device) -> tuple[ModuleTrace, torch.Tensor]:
+               loss_fn: LossFn, loss: str | LossFn, seed: int,
+               device: torch.device) -> tuple[ModuleTrace, torch.Tensor, float | None]:
+    """One SGD step on the whole batch; returns its item count when the loss gives one."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with trace_modules(model, inputs[0].shape[0], device) as trace:
         out = model(*inputs)
     if targets is None:
-        targets = _random_targets(_first_tensor(out), classes, seed)
-    torch.autograd.backward(loss_fn(out, targets.to(device)))
+        targets = random_targets(first_tensor(out), loss, seed)
+    value, n_items = split_loss(loss_fn(out, targets.to(device)), "the full batch")
+    # An item-weighted full batch needs nothing more: its loss is already the mean over all items.
+    torch.autograd.backward(value)
     opt.step()
-    return trace, targets.to(device)
-
-
-def _random_targets(out: torch.Tensor, classes: bool, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed + 1)
-    if classes:  # class indices over dimension 1, as cross_entropy reads them
-        if out.dim() < 2:
-            raise ValueError(f"loss='cross-entropy' needs (batch, classes, ...) outputs, got shape "
-                             f"{tuple(out.shape)}")
-        return torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]), generator=gen)
-    return torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    return trace, targets.to(device), None if n_items is None else item_count(n_items, "the full batch")
 
 
 def _micro_steps(model: nn.Module, inputs: list[torch.Tensor], targets: torch.Tensor,
-                 loss_fn: LossFn, steps: int, device: torch.device) -> ModuleTrace:
+                 loss_fn: LossFn, steps: int, device: torch.device,
+                 weighted: bool) -> tuple[ModuleTrace, list[float] | None]:
+    """The window through an Accumulator; returns the micro-batches' item counts when weighted."""
     acc = Accumulator(torch.optim.SGD(model.parameters(), lr=1.0), steps)
     size = inputs[0].shape[0] // steps
+    counts: list[float] = []
     with trace_modules(model, size, device) as trace:
         for i in range(steps):
             part = slice(i * size, (i + 1) * size)
-            acc.backward(loss_fn(model(*(t[part] for t in inputs)), targets[part]))
-    return trace
+            where = f"micro-batch {i}"
+            value, n_items = split_loss(loss_fn(model(*(t[part] for t in inputs)), targets[part]), where)
+            if (n_items is not None) != weighted:
+                raise TypeError(f"loss returned {'a bare loss' if weighted else '(loss, n_items)'} on "
+                                f"{where} but {'(loss, n_items)' if weighted else 'a bare loss'} on "
+                                "the full batch: return the same form for every batch")
+            if weighted:
+                counts.append(item_count(n_items, where))
+            acc.backward(value, n_items)
+    return trace, counts if weighted else None
 
 
 def _tolerance(dtype: torch.dtype | None, atol: float | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,9 @@ class CheckReport:
             module breaks equivalence (a dropout layer's masks may line up by chance).
         diffs: one :class:`TensorDiff` per parameter and buffer, in model order.
         hazards: the modules that break equivalence, with the gradaccum fix for each.
-        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss).
+        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss; ``n_items``
+            and ``micro_n_items``: the item counts the loss returned for the full batch and for
+            each micro-batch, None when it returned a bare mean loss).
     """
 
     equivalent: bool
@@ -71,7 +74,7 @@ def format_report(report: CheckReport) -> str:
             f"the same weights and RNG state (loss: {s['loss']}). A tensor agrees when "
             f"max|diff| <= atol + rtol * scale, atol={s['atol']:g}, rtol={s['rtol']:g}; scale: the "
             "parameter's largest full-batch update, the buffer's largest value.")
-    lines = [*textwrap.wrap(head, WIDTH), "", *_table(report)]
+    lines = [*textwrap.wrap(head + _weighting(s), WIDTH), "", *_table(report)]
     worst = max((d.rel for d in report.diffs), default=0.0)
     bad = sum(not d.ok for d in report.diffs)
     if report.equivalent:
@@ -89,6 +92,7 @@ def format_report(report: CheckReport) -> str:
     if skipped:
         lines += textwrap.wrap(f"Note: no gradient reached {', '.join(skipped)}: the check says "
                                "nothing about them.", WIDTH)
+    lines += textwrap.wrap(_count_mismatch(s), WIDTH)
     if report.hazards:
         lines += ["", "Modules that break equivalence:"]
         for h in report.hazards:
@@ -98,9 +102,38 @@ def format_report(report: CheckReport) -> str:
             lines += textwrap.wrap(h.fix, WIDTH, initial_indent="    fix:  ",
                                    subsequent_indent="          ")
     elif not report.equivalent:
-        lines += ["", "No module was named: the difference comes from the loss or from an operation "
-                      "outside any module."]
+        lines += ["", *textwrap.wrap("No module was named: the difference comes from the loss or from "
+                                     "an operation outside any module. " + _loss_hint(s), WIDTH)]
     return "\n".join(lines)
+
+
+def _weighting(s: dict[str, Any]) -> str:
+    if s.get("n_items") is None:
+        return ""
+    return (f" Item-weighted: the loss returned (loss, n_items), so the full batch's loss is its mean "
+            f"over its {_count(s['n_items'])} items and each micro-batch went through "
+            f"acc.backward(loss, n_items) with n_items {', '.join(map(_count, s['micro_n_items']))}.")
+
+
+def _count_mismatch(s: dict[str, Any]) -> str:
+    """A note when the micro-batches' counts do not add up to the full batch's."""
+    full, micro = s.get("n_items"), s.get("micro_n_items")
+    if full is None or not micro or math.isclose(sum(micro), full, rel_tol=1e-9, abs_tol=1e-9):
+        return ""
+    return (f"Note: the micro-batches' n_items sum to {_count(sum(micro))} but the full batch's is "
+            f"{_count(full)}: n_items must count the items of its own batch.")
+
+
+def _loss_hint(s: dict[str, Any]) -> str:
+    if s.get("n_items") is None:
+        return ("A mean over a number of items (tokens) that varies between micro-batches does this: "
+                "let the loss return (loss, n_items).")
+    return ("Does n_items count exactly the items the loss averages over? A causal LM's loss drops "
+            "each sequence's first label: count_tokens(labels, shift=True).")
+
+
+def _count(x: float) -> str:
+    return f"{x:g}"
 
 
 def _table(report: CheckReport) -> list[str]:
