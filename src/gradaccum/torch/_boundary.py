@@ -23,7 +23,7 @@ from gradaccum.torch._state import is_nonzero
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync
 
-__all__ = ["Outcome", "apply_window", "at_least_one", "largest", "sum_losses"]
+__all__ = ["Outcome", "apply_window", "largest", "provisional_total", "sum_losses"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,24 @@ def largest(a: Any, b: Any) -> Any:
     return max(a, b)
 
 
-def at_least_one(count: Any) -> Any:
-    """``count``, or 1 where it is 0 (a provisional total must not be 0); no host read."""
-    if isinstance(count, torch.Tensor):
-        return torch.where(count > 0, count, torch.ones_like(count))
-    return count if count > 0 else 1
+def provisional_total(most: Any, size: int) -> Any:
+    """The provisional item total ``P`` of a window: ``size`` times the largest count ``most``
+    (1 where that is 0), with no host read.
+
+    A Python count gives exactly ``size * most``, so a full window of equal counts is corrected by
+    exactly 1 (no pass). A tensor count (corrected by a pass anyway) gives the power of two at or
+    above it: each factor ``n_i / P`` is then exact in any float format, so a float32 loss of a
+    float64 model is weighted as exactly as with an integer factor.
+
+    Example:
+        >>> provisional_total(3, 4), provisional_total(torch.tensor(3.0, dtype=torch.float64), 4)
+        (12, tensor(16., dtype=torch.float64))
+    """
+    if isinstance(most, torch.Tensor):
+        total = torch.where(most > 0, most, torch.ones_like(most)) * size
+        mantissa, exponent = torch.frexp(total)  # total = mantissa * 2**exponent, mantissa in [0.5, 1)
+        return torch.ldexp(torch.ones_like(total), exponent - (mantissa == 0.5).to(exponent.dtype))
+    return (most if most > 0 else 1) * size
 
 
 def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:

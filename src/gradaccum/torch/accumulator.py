@@ -13,7 +13,7 @@ from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window, is_one
-from gradaccum.torch._boundary import apply_window, at_least_one, largest, sum_losses
+from gradaccum.torch._boundary import apply_window, largest, provisional_total, sum_losses
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
@@ -246,8 +246,8 @@ class Accumulator(WindowHooks):
         """The item total the losses are scaled against: ``size`` times the largest count seen (so
         no factor exceeds 1/size once counts are known); across ranks, past windows' only."""
         if self._sync.world_size > 1:
-            return float(size) if self._most is None else at_least_one(self._most) * size
-        return at_least_one(largest(self._most, n)) * size
+            return float(size) if self._most is None else provisional_total(self._most, size)
+        return provisional_total(largest(self._most, n), size)
 
     def _backward(self, loss: torch.Tensor, factor: Any) -> None:
         if not is_one(factor):
