@@ -6,7 +6,9 @@ every micro-step, so everything that Python decides runs once, on the host, with
 (validation of ``steps`` and ``clip_norm``, the schedule's table of window sizes, the checkpoint
 record and its checks, the window record behind :attr:`Accumulator.window`), and the per-step
 state lives in ``Parameter`` objects that the graph updates in place (the gradient buffer, the
-micro-step, the item total, the window size, the optimizer-step count). The graph applies the
+micro-step, the item total, the loss sum, the window size, the optimizer-step count); the host
+reads and writes them through :mod:`gradaccum.mindspore.host`, and under data parallel the
+boundary sums them over the ranks (:mod:`gradaccum.mindspore.data_parallel`). The graph applies the
 core's window rules as tensor arithmetic: MindSpore hands the accumulator each micro-batch's raw
 gradient (there is no loss to pre-scale), so the core's two factors are applied together at the
 boundary: mean weighting ``loss_factor x grad_factor = 1/N x N/r = 1/r``; item weighting
@@ -51,7 +53,14 @@ class Accumulator(HostSide):
     Normalization: with ``weighting="mean"`` the window's gradient is the mean of its
     micro-batch gradients (a flushed window of r micro-batches is the mean over r); with
     ``weighting="items"`` every call passes ``n_items`` and the window's gradient is the gradient
-    of ``sum(n_i * loss_i) / sum(n_i)``.
+    of ``sum(n_i * loss_i) / sum(n_i)``. Pass ``loss=`` too and :attr:`window_loss` reports the
+    window's loss, weighted the same way.
+
+    Data parallel (``msrun``, after ``mindspore.communication.init()``): every rank calls the
+    accumulator with its own micro-batches, and at the boundary the window's gradient, item
+    total and loss are summed over the ranks in one all-reduce, before normalizing and clipping;
+    the micro-steps in between communicate nothing. Every rank must feed the same number of
+    micro-batches per window and call :meth:`flush` and :meth:`discard` at the same points.
 
     Args:
         optimizer: the ``mindspore.nn.Optimizer`` to step once per window; the gradients passed
@@ -61,6 +70,9 @@ class Accumulator(HostSide):
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         weighting: ``"mean"`` (default) or ``"items"``. Fixed per accumulator, so that a graph
             that mixes the two fails when it compiles rather than at run time.
+        data_parallel: ``None`` (default): reduce over the ranks when
+            ``mindspore.communication.init()`` has run with more than one; ``True``: the same,
+            and raise if it has not run; ``False``: never (you reduce the gradients yourself).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -75,6 +87,11 @@ class Accumulator(HostSide):
         [False, True, False, True]
         >>> acc.optimizer_steps, acc.micro_step
         (2, 0)
+        >>> loss, grads = grad_fn(x)
+        >>> bool(acc(grads, loss=loss)), bool(acc(grads, loss=loss))
+        (False, True)
+        >>> round(acc.window_loss, 5) == round(float(loss), 5)
+        True
     """
 
     def __init__(self, optimizer: Any, steps: Any, clip_norm: float | None = None, *,
