@@ -39,7 +39,7 @@ def msrun_command(args: list[str], out: Path, world: int = 2) -> tuple[list[str]
     return command, env
 
 
-def run_msrun(args: list[str], out: Path, world: int = 2, timeout: float = 420.0) -> str:
+def run_msrun(args: list[str], out: Path, world: int = 2, timeout: float = 600.0) -> str:
     """Run ``python ARGS`` on ``world`` ranks under msrun; return msrun's own output.
 
     Raises:

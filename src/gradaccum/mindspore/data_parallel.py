@@ -71,7 +71,7 @@ class WindowReduce:
 
     Args:
         buffers: the accumulator's gradient buffers (their shapes fix the split).
-        world: the number of ranks (for the docs; the collective spans the world group).
+        world: the number of ranks (the collective spans the world group).
 
     Example:
         Built by the accumulator under data parallel only::
