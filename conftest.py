@@ -10,8 +10,11 @@ def _has_mindspore() -> bool:
 
 
 # The MindSpore modules' doctests need the optional extra; without it, skip them rather than
-# fail collection (the tests under tests/mindspore skip themselves with importorskip).
+# fail collection (the tests under tests/mindspore skip themselves with importorskip; the helper
+# modules beside them import MindSpore at the top).
 collect_ignore_glob = [] if _has_mindspore() else [
     "src/gradaccum/mindspore/*",
     "src/gradaccum/demos/mindspore_*.py",
+    "tests/mindspore_reference.py",
+    "tests/mindspore/dp_ranks.py",
 ]

@@ -55,3 +55,20 @@ def test_a_partial_window_is_weighted_by_items_and_flushed(tmp_path):
 def test_settings_the_backend_does_not_run_are_refused():
     with pytest.raises(ValueError, match="precision='bf16'"):
         main(["train", "--backend", "mindspore", "--precision", "bf16", *SMALL])
+
+
+@pytest.mark.parametrize("bn", ["plain", "compound", "groupnorm"])
+def test_cnn_bn_trains_on_mindspore_like_on_torch(tmp_path, bn):
+    # Same weights, running statistics, momentum rule and data order: the backends differ by
+    # float32 rounding only (convolutions and BatchNorm included).
+    out = tmp_path / bn
+    assert main(["compare", "--settings", "32x2", "--backends", "torch,mindspore", "--model", "cnn-bn",
+                 "--bn", bn, *SMALL, "--out", str(out)]) == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert rows[1]["max_param_diff"] < 1e-4
+    assert rows[0]["epochs"][-1]["test_accuracy"] == rows[1]["epochs"][-1]["test_accuracy"]
+
+
+def test_window_batchnorm_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="--bn window runs on the torch backend only"):
+        main(["train", "--backend", "mindspore", "--model", "cnn-bn", "--bn", "window", *SMALL])

@@ -113,3 +113,13 @@ def test_bad_epoch(epoch):
     acc = Accumulator(sgd(), Schedule({0: 2, 1: 4}, by="epoch"))
     with pytest.raises((TypeError, ValueError), match="epoch"):
         acc.set_epoch(epoch)
+
+
+def test_data_parallel_needs_init_and_a_bool():
+    acc = Accumulator(sgd(), 2)
+    assert acc.world_size == 1  # no mindspore.communication.init(): one process, no reduction
+    assert Accumulator(sgd(), 2, data_parallel=False).world_size == 1
+    with pytest.raises(ValueError, match=r"data_parallel=True needs mindspore\.communication\.init\(\)"):
+        Accumulator(sgd(), 2, data_parallel=True)
+    with pytest.raises(TypeError, match="data_parallel must be None, True or False, got 'yes'"):
+        Accumulator(sgd(), 2, data_parallel="yes")

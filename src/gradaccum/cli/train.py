@@ -7,10 +7,13 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradaccum.core import check_positive_int, lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
+
+if TYPE_CHECKING:
+    from gradaccum.demos.distributed import Ranks
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -116,6 +119,10 @@ def _scheduled(args: argparse.Namespace) -> tuple[int, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.backend == "mindspore":
+        from gradaccum.demos.mindspore_trainer import init_msrun
+
+        return _as_rank(args, init_msrun())  # every worker under msrun, else one process
     from gradaccum.demos.distributed import init_from_env
 
     ranks = init_from_env(args.device)  # several ranks under torchrun, else one process
@@ -124,13 +131,18 @@ def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     try:
-        if ranks.main:
-            return _run_ranks(args, ranks.world)
-        args.out = None  # rank 0 prints and writes for every rank
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            return _run_ranks(args, ranks.world)
+        return _as_rank(args, ranks)
     finally:
         dist.destroy_process_group()
+
+
+def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
+    """Run on this rank: rank 0 prints and writes for every rank, the others run quietly."""
+    if ranks.main:
+        return _run_ranks(args, ranks.world)
+    args.out = None
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return _run_ranks(args, ranks.world)
 
 
 def _run_ranks(args: argparse.Namespace, world: int) -> int:
@@ -177,7 +189,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                    "--global-batch (default 32 x 2). Under torchrun "
                                    "(torchrun --nproc-per-node 2 -m gradaccum train ...) every "
                                    "rank trains its DistributedSampler share through DDP, and "
-                                   "--global-batch counts every rank's items.")
+                                   "--global-batch counts every rank's items; --backend mindspore "
+                                   "does the same under msrun (msrun --worker_num 2 "
+                                   "--local_worker_num 2 ... python -m gradaccum train ...).")
     p.add_argument("--micro-batch", type=int, default=None, help="items per micro-batch (default 32)")
     p.add_argument("--steps", type=int, default=None, help="micro-batches per window (default 2)")
     p.add_argument("--global-batch", type=int, default=None, help="micro-batch x steps")

@@ -18,7 +18,8 @@ from typing import Any
 from gradaccum.core.validate import check_nonneg_int
 from gradaccum.core.window import Window
 
-__all__ = ["COUNTERS", "FORMAT_VERSION", "check_state_record", "param_signature", "window_from_record"]
+__all__ = ["COUNTERS", "FORMAT_VERSION", "check_optional_number", "check_record_keys", "check_state_record",
+           "param_signature", "window_from_record"]
 
 FORMAT_VERSION = 1
 COUNTERS = ("optimizer_steps", "skipped_windows", "epoch")
@@ -117,20 +118,25 @@ def window_from_record(w: Any) -> Window:
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"state['window']['weighting'] must be None, 'mean' or 'items', got {weighting!r}")
     if (weighting is None) != (micro == 0):
-        raise ValueError(f"state['window'] has micro_step={micro} with weighting={weighting!r}: an "
-                         "empty window has no weighting, a started one has one")
+        raise ValueError(f"state['window']['weighting'] is {weighting!r} for a window of {micro} "
+                         "micro-batch(es): None exactly when the window is empty")
     items = w["items"]
-    if isinstance(items, (bool, str)) or (isinstance(items, Real) and not _nonneg_finite(items)):
-        raise ValueError(f"state['window']['items'] must be a count >= 0, got {items!r}")
-    if weighting != "items" and not (isinstance(items, Real) and items == 0):
-        raise ValueError(f"state['window']['items'] must be 0 for weighting={weighting!r}, got {items!r}")
+    summed = w.get("summed", False)
+    if not isinstance(summed, bool):
+        raise TypeError(f"state['window']['summed'] must be a bool, got {summed!r}")
+    if isinstance(items, (bool, str)):
+        raise TypeError(f"state['window']['items'] must be a number, got {items!r}")
+    if isinstance(items, Real):
+        if not _nonneg_finite(items):
+            raise ValueError(f"state['window']['items'] must be a finite number >= 0, got {items!r}")
+        # Only a window of summed losses may hold no item yet; any other holds none or some.
+        if (weighting == "items" and items == 0 and not summed) or (weighting != "items" and items != 0):
+            raise ValueError(f"state['window']['items'] is {items!r} for weighting={weighting!r}: an "
+                             "item total > 0 belongs to an item-weighted window, 0 to any other")
     scale = w.get("scale")
     if isinstance(scale, (bool, str)) or (
             isinstance(scale, Real) and not (_nonneg_finite(scale) and float(scale) > 0)):
         raise ValueError(f"state['window']['scale'] must be None or a number > 0, got {scale!r}")
-    summed = w.get("summed", False)
-    if not isinstance(summed, bool):
-        raise TypeError(f"state['window']['summed'] must be a bool, got {summed!r}")
     return Window(size, micro, weighting, items, scale, summed)
 
 
@@ -151,3 +157,47 @@ def _nonneg_finite(x: Real) -> bool:
 
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+
+
+def check_record_keys(state: Any, keys: Sequence[str], name: str = "state") -> Mapping[str, Any]:
+    """Return ``state`` if it is a mapping that holds every key of ``keys``.
+
+    Args:
+        state: the record.
+        keys: the keys it must hold.
+        name: how messages name it (``"state['window']"`` for the window entry).
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: a key is missing (the message names it).
+
+    Example:
+        >>> check_record_keys({"epoch": 0}, ["epoch", "optimizer_steps"])
+        Traceback (most recent call last):
+        ...
+        ValueError: state['optimizer_steps'] is missing: not a complete Accumulator.state_dict()
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{name} must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
+    for key in keys:
+        if key not in state:
+            raise ValueError(f"{name}[{key!r}] is missing: not a complete Accumulator.state_dict()")
+    return state
+
+
+def check_optional_number(state: Mapping[str, Any], key: str) -> float | None:
+    """``state[key]`` as a float, or ``None`` when absent or ``None`` (a loss: NaN and inf pass).
+
+    Raises:
+        TypeError: anything but a real number (bools and strings included).
+
+    Example:
+        >>> check_optional_number({"window_loss": 2}, "window_loss")
+        2.0
+    """
+    value = state.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"state[{key!r}] must be a number or None, got {value!r} ({type(value).__name__})")
+    return float(value)

@@ -2,7 +2,10 @@
 
 Building the torch model first (with its seed and ``init``) and copying its weights makes a
 MindSpore run start from exactly the parameters of the torch run with the same settings, so the
-two backends can be compared side by side.
+two backends can be compared side by side. The BatchNorm modes that are a property of the model
+(``plain``, ``compound`` and ``linear`` momentum, ``groupnorm``) are applied to the torch model
+by the torch backend's own conversions, then copied; ``window`` needs the accumulator to commit
+the window's statistics and stays on the torch backend.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import mindspore as ms
 from mindspore import nn as msnn
 from torch import nn
 
-from gradaccum.demos.models import build_model
+from gradaccum.demos.config import BN_MODES
+from gradaccum.demos.models import apply_bn_mode, build_model
 
 __all__ = ["build_mindspore_model", "to_mindspore"]
 
@@ -38,6 +42,31 @@ def _conv(layer: nn.Conv2d) -> msnn.Cell:
     return cell
 
 
+def _set(param: ms.Parameter, value: object) -> None:
+    param.set_data(ms.Tensor(value.detach().numpy().copy()))  # type: ignore[attr-defined]
+
+
+def _batchnorm(layer: nn.BatchNorm2d) -> msnn.Cell:
+    if layer.momentum is None or not layer.affine or not layer.track_running_stats:
+        raise ValueError(f"to_mindspore converts BatchNorm2d with momentum, affine and running "
+                         f"statistics only, got {layer}")
+    # MindSpore's momentum is the weight of the old statistics: 1 - torch's.
+    cell = msnn.BatchNorm2d(layer.num_features, eps=layer.eps, momentum=1.0 - layer.momentum)
+    _set(cell.gamma, layer.weight)
+    _set(cell.beta, layer.bias)
+    _set(cell.moving_mean, layer.running_mean)
+    _set(cell.moving_variance, layer.running_var)
+    return cell
+
+
+def _groupnorm(layer: nn.GroupNorm) -> msnn.Cell:
+    cell = msnn.GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps, affine=layer.affine)
+    if layer.affine:
+        _set(cell.gamma, layer.weight)
+        _set(cell.beta, layer.bias)
+    return cell
+
+
 def _pool(layer: nn.MaxPool2d) -> msnn.Cell:
     return msnn.MaxPool2d(kernel_size=layer.kernel_size, stride=layer.stride)
 
@@ -46,19 +75,24 @@ _CONVERTERS: dict[type[nn.Module], Callable[..., msnn.Cell]] = {
     nn.Linear: _dense,
     nn.Conv2d: _conv,
     nn.MaxPool2d: _pool,
+    nn.BatchNorm2d: _batchnorm,
+    nn.GroupNorm: _groupnorm,
     nn.ReLU: lambda _: msnn.ReLU(),
     nn.Flatten: lambda _: msnn.Flatten(),
 }
 
 
 def to_mindspore(model: nn.Sequential) -> msnn.SequentialCell:
-    """A MindSpore copy of a torch ``nn.Sequential`` of Linear, Conv2d, MaxPool2d, ReLU, Flatten.
+    """A MindSpore copy of a torch ``nn.Sequential`` of Linear, Conv2d, BatchNorm2d, GroupNorm,
+    MaxPool2d, ReLU and Flatten.
 
     Returns:
-        A ``SequentialCell`` with the same weights, parameters in the same order.
+        A ``SequentialCell`` with the same weights, running statistics and momentum (in
+        MindSpore's convention), parameters in the same order.
 
     Raises:
-        ValueError: a layer with no MindSpore counterpart here (BatchNorm, strided convolution).
+        ValueError: a layer with no MindSpore counterpart here (a strided convolution, a
+            BatchNorm without running statistics, gradaccum's window BatchNorm).
 
     Example:
         >>> import torch
@@ -68,23 +102,45 @@ def to_mindspore(model: nn.Sequential) -> msnn.SequentialCell:
     """
     cells = []
     for layer in model:
-        convert = _CONVERTERS.get(type(layer))
+        # A subclass converts as its base (the GroupNorm that to_groupnorm makes of a BatchNorm).
+        convert = next((f for kind, f in _CONVERTERS.items() if isinstance(layer, kind)), None)
         if convert is None:
             raise ValueError(f"no MindSpore counterpart for {type(layer).__name__} in the demo models")
         cells.append(convert(layer))
     return msnn.SequentialCell(cells)
 
 
-def build_mindspore_model(name: str, init: str = "torch", seed: int | None = None) -> msnn.Cell:
-    """The demo model ``name`` on MindSpore (``mlp`` or ``cnn``), with the weights
+def build_mindspore_model(name: str, init: str = "torch", seed: int | None = None, *,
+                          bn: str = "plain", steps: int | None = None) -> msnn.Cell:
+    """The demo model ``name`` on MindSpore (``mlp``, ``cnn`` or ``cnn-bn``), with the weights
     :func:`gradaccum.demos.models.build_model` draws for the same ``init`` and ``seed``.
 
+    Args:
+        name: the model.
+        init: ``"torch"`` or ``"mindspore"``.
+        seed: the torch seed the weights are drawn with.
+        bn: the BatchNorm mode: ``plain``, ``compound`` or ``linear`` (momentum scaled for
+            ``steps``), ``groupnorm``; ``window`` runs on the torch backend only.
+        steps: micro-batches per window, for the momentum modes (a constant N).
+
     Raises:
-        ValueError: an unknown name or init, or a model with BatchNorm (``cnn-bn``).
+        ValueError: an unknown name, init or mode, ``window``, or a momentum mode without
+            ``steps``.
+
+    Example:
+        >>> [p.name for p in build_mindspore_model("cnn-bn", bn="groupnorm").trainable_params()][:3]
+        ['0.weight', '1.gamma', '1.beta']
     """
-    if name == "cnn-bn":
-        raise ValueError("model 'cnn-bn' runs on the torch backend only (BatchNorm)")
+    if bn not in BN_MODES:
+        raise ValueError(f"bn mode must be one of {list(BN_MODES)}, got {bn!r}")
+    if bn == "window":
+        raise ValueError("--bn window runs on the torch backend only: its statistics over the whole "
+                         "window are committed by the torch Accumulator at each boundary")
+    if bn in ("compound", "linear") and not isinstance(steps, int):
+        raise ValueError(f"--bn {bn} on the mindspore backend scales the momentum for a constant "
+                         f"--steps, got steps={steps!r}")
     model = build_model(name, init, seed)
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model {name!r} is not a plain Sequential")
-    return to_mindspore(model)
+    model = apply_bn_mode(model, bn, None, steps=steps) if bn != "plain" else model
+    return to_mindspore(model)  # type: ignore[arg-type]

@@ -3,15 +3,18 @@ called inside an ``@ms.jit`` train step as in the tutorial.
 
 Same settings, same starting weights (see :mod:`gradaccum.demos.mindspore_models`), same data
 order and the same printed lines and metrics as the torch trainer, so ``gradaccum compare`` can
-put the two backends side by side.
+put the two backends side by side. Under ``msrun`` (:func:`init_msrun`) every rank trains its
+share of each epoch, as a DistributedSampler deals it (the torch trainer's order), and the
+accumulator reduces each window over the ranks; rank 0 prints and writes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mindspore as ms
@@ -30,7 +33,7 @@ from gradaccum.demos.mindspore_models import build_mindspore_model
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.mindspore import Accumulator
 
-__all__ = ["evaluate", "make_optimizer", "mnist_arrays", "run_mindspore"]
+__all__ = ["evaluate", "init_msrun", "make_optimizer", "mindspore_ranks", "mnist_arrays", "run_mindspore"]
 
 Log = Callable[[str], None]
 
@@ -67,6 +70,40 @@ def mnist_arrays(split: str, data_dir: Any = None,
     return x.numpy(), y.numpy().astype(np.int32)
 
 
+def init_msrun() -> Ranks:
+    """Join the cluster ``msrun`` started this process in (CPU); one process outside msrun.
+
+    msrun runs the same command line as its scheduler too: there ``init()`` serves the cluster
+    until the workers are done, then ends the process, so nothing after this call runs on it.
+
+    Returns:
+        This process's :class:`~gradaccum.demos.distributed.Ranks`.
+    """
+    if "MS_ROLE" in os.environ:  # set by msrun for its scheduler and for every worker
+        from mindspore.communication import init
+
+        _use_cpu()
+        init()
+    return mindspore_ranks()
+
+
+def _use_cpu() -> None:
+    try:
+        ms.set_device("CPU")
+    except RuntimeError:  # MindSpore 2.10 refuses a second set_device once a device is in use
+        if ms.get_context("device_target") != "CPU":
+            raise
+
+
+def mindspore_ranks() -> Ranks:
+    """The ranks of ``mindspore.communication``'s world group (one process before ``init()``)."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if not GlobalComm.INITED:
+        return Ranks()
+    return Ranks(get_rank(), get_group_size(), int(os.environ.get("DEVICE_ID", "0")))
+
+
 def evaluate(model: msnn.Cell, x: NDArray[np.float32], y: NDArray[np.int32],
              batch: int = 1000) -> tuple[float, float]:
     """Test accuracy (percent) and mean cross-entropy over every test item."""
@@ -89,6 +126,7 @@ class _Run:
 
     config: TrainConfig
     model: msnn.Cell
+    ranks: Ranks
     acc: Accumulator
     step: Callable[..., Any]  # the compiled train step: (x, y[, n]) -> (loss, stepped)
     x: NDArray[np.float32]
@@ -97,8 +135,7 @@ class _Run:
     y_test: NDArray[np.int32]
     writer: MetricsWriter
     log: Log
-    weighted: bool  # the data does not split into equal micro-batches: weight by items
-    pending: list[tuple[Any, int]] = field(default_factory=list)  # (loss, items) of the window
+    weighted: bool  # this rank's share does not split into equal micro-batches: weight by items
 
 
 def _check(config: TrainConfig) -> None:
@@ -107,19 +144,22 @@ def _check(config: TrainConfig) -> None:
     if config.device != "cpu":
         raise ValueError(f"device={config.device!r}: the mindspore backend runs on the CPU here")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ValueError("the mindspore backend runs in one process, not under torchrun")
+        raise ValueError("the mindspore backend runs in one process or under msrun, not under torchrun")
 
 
 def _setup(config: TrainConfig, log: Log) -> _Run:
     _check(config)
-    ms.set_device("CPU")
-    model = build_mindspore_model(config.model, config.init, seed=config.seed)
+    _use_cpu()
+    ranks = mindspore_ranks()
+    model = build_mindspore_model(config.model, config.init, seed=config.seed, bn=config.bn,
+                                  steps=config.steps if isinstance(config.steps, int) else None)
+    model.set_train(True)  # BatchNorm: batch statistics while training
     x, y = mnist_arrays("train", config.data_dir, config.limit_train)
     x_test, y_test = mnist_arrays("test", config.data_dir, config.limit_test)
     params = model.trainable_params()
     opt = make_optimizer(config.optimizer, params, config.lr)
     steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
-    weighted = len(x) % config.micro_batch != 0
+    weighted = -(-len(x) // ranks.world) % config.micro_batch != 0  # a rank's (padded) share
     acc = Accumulator(opt, steps, weighting="items" if weighted else "mean")
     loss_fn = msnn.CrossEntropyLoss()
 
@@ -130,33 +170,32 @@ def _setup(config: TrainConfig, log: Log) -> _Run:
 
     def train_step(xb: Tensor, yb: Tensor, n: Tensor | None = None) -> tuple[Tensor, Tensor]:
         loss, grads = grad_fn(xb, yb)
-        return loss, acc(grads, n)
+        return loss, acc(grads, n, loss=loss)
 
-    return _Run(config, model, acc, ms.jit(train_step), x, y, x_test, y_test, MetricsWriter(config.out), log,
-                weighted)
+    return _Run(config, model, ranks, acc, ms.jit(train_step), x, y, x_test, y_test,
+                MetricsWriter(config.out if ranks.main else None), log, weighted)
 
 
-def _window_loss(pending: list[tuple[Any, int]], weighted: bool) -> float:
-    """The window's loss, weighted like its gradient (the torch Accumulator's ``window_loss``)."""
-    losses = [float(loss) for loss, _ in pending]
-    if not weighted:
-        return sum(losses) / len(losses)
-    return sum(n * loss for (_, n), loss in zip(pending, losses, strict=True)) / sum(n for _, n in pending)
+def _window_loss(acc: Accumulator) -> float:
+    loss = acc.window_loss
+    assert loss is not None, "the train step passes loss= on every call"
+    return loss
 
 
 def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     """One pass over the shuffled training set. Returns (the window losses, seconds)."""
-    cfg, acc = run.config, run.acc
-    n, micro = len(run.x), cfg.micro_batch
+    cfg, acc, world = run.config, run.acc, run.ranks.world
+    # The torch trainer's order (seed and epoch only): both backends see the same windows, and
+    # W ranks x micro-batch m see those of one process with micro-batch W x m.
+    order = epoch_order(len(run.x), cfg.seed, epoch, run.ranks).numpy()
+    n, micro = len(order), cfg.micro_batch
     size = math.ceil(n / micro)
-    # The torch trainer's order (seed and epoch only): both backends see the same windows.
-    order = epoch_order(n, cfg.seed, epoch, Ranks()).numpy()
     losses: list[float] = []
     samples: list[int] = []
     from tqdm import tqdm  # the demo extra: imported only when a run shows progress
 
-    bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not cfg.progress, leave=False,
-               unit="mb", mininterval=0.5)
+    bar = tqdm(total=size, desc=f"epoch {epoch}", disable=not (cfg.progress and run.ranks.main),
+               leave=False, unit="mb", mininterval=0.5)
     write = bar.write if cfg.progress else run.log
     start = time.perf_counter()
     for i in range(size):
@@ -166,24 +205,26 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
             loss, stepped = run.step(xb, yb, Tensor(len(idx), ms.int32))
         else:
             loss, stepped = run.step(xb, yb)
-        run.pending.append((loss, len(idx)))
         if bool(stepped):
-            losses.append(_window_loss(run.pending, run.weighted))
-            samples.append(min(n, (i + 1) * micro))
-            run.pending.clear()
+            losses.append(_window_loss(acc))
+            samples.append(min(n, (i + 1) * micro) * world)
         if i % cfg.log_every == 0:
             shown = losses[-1] if losses else float(loss)
             write(f"loss: {shown:>7f}  [{i:>3d}/{size:>3d}]")
             bar.set_postfix(loss=f"{shown:.4f}", mem=f"{peak_rss_bytes() / 2**20:.0f}MB", refresh=False)
         bar.update(1)
-    if cfg.end_of_epoch == "flush" and bool(acc.flush()):
-        losses.append(_window_loss(run.pending, run.weighted))
-        samples.append(n)
-        run.pending.clear()
+    if cfg.end_of_epoch == "flush" and bool(acc.flush()):  # every rank calls it
+        losses.append(_window_loss(acc))
+        samples.append(n * world)
     seconds = time.perf_counter() - start
     bar.close()
-    run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n + k for k in samples], losses=losses)
+    run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n * world + k for k in samples],
+                       losses=losses)
     return losses, seconds
+
+
+def _quiet(line: str) -> None:
+    """Drop a line (ranks other than 0)."""
 
 
 def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
@@ -191,20 +232,24 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
 
     Prints the seed's lines (``loss: x  [i/size]`` every ``log_every`` micro-batches, showing the
     last window's loss, and ``Test: Accuracy: x%, Avg loss: y`` per epoch), writes
-    ``metrics.jsonl`` into ``config.out`` when given, and returns the per-epoch results.
+    ``metrics.jsonl`` into ``config.out`` when given, and returns the per-epoch results. After
+    :func:`init_msrun` every rank trains its share; rank 0 prints and writes.
 
     Args:
-        config: the settings (``model`` ``mlp`` or ``cnn``; ``init="mindspore"`` for the
-            tutorial's N(0, 0.01) weights).
+        config: the settings (``model`` ``mlp``, ``cnn`` or ``cnn-bn``; ``init="mindspore"`` for
+            the tutorial's N(0, 0.01) weights).
         log: where the lines go.
 
     Returns:
         The run's results, with the final parameters as numpy arrays (torch's order and shapes).
 
     Raises:
-        ValueError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``, torchrun).
+        ValueError: settings the backend does not run (bf16, a GPU device, ``--bn window``,
+            torchrun).
     """
     run = _setup(config, log)
+    if not run.ranks.main:
+        log = _quiet  # rank 0 prints for all (window losses and parameters agree on every rank)
     result = run_epochs(
         config, log, run.writer, train_epoch=lambda epoch: _train_epoch(run, epoch),
         evaluate=lambda: evaluate(run.model, run.x_test, run.y_test),

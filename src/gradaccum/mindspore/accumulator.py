@@ -6,7 +6,9 @@ every micro-step, so everything that Python decides runs once, on the host, with
 (validation of ``steps`` and ``clip_norm``, the schedule's table of window sizes, the checkpoint
 record and its checks, the window record behind :attr:`Accumulator.window`), and the per-step
 state lives in ``Parameter`` objects that the graph updates in place (the gradient buffer, the
-micro-step, the item total, the window size, the optimizer-step count). The graph applies the
+micro-step, the item total, the loss sum, the window size, the optimizer-step count); the host
+reads and writes them through :mod:`gradaccum.mindspore.host`, and under data parallel the
+boundary sums them over the ranks (:mod:`gradaccum.mindspore.data_parallel`). The graph applies the
 core's window rules as tensor arithmetic: MindSpore hands the accumulator each micro-batch's raw
 gradient (there is no loss to pre-scale), so the core's two factors are applied together at the
 boundary: mean weighting ``loss_factor x grad_factor = 1/N x N/r = 1/r``; item weighting
@@ -23,10 +25,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from gradaccum.core import Weighting, Window, as_schedule, check_optional_positive_float
-from gradaccum.core.validate import check_nonneg_int
-from gradaccum.mindspore import buffers
-from gradaccum.mindspore import state as _state
+import gradaccum.mindspore.buffers as buffers
+from gradaccum.core.schedule import as_schedule
+from gradaccum.core.validate import check_optional_positive_float
+from gradaccum.core.window import Weighting
+from gradaccum.mindspore.data_parallel import ITEM_BASE, WindowReduce, data_parallel_world
+from gradaccum.mindspore.host import HostSide
 from gradaccum.mindspore.validate import check_call, check_parts
 
 __all__ = ["Accumulator"]
@@ -34,12 +38,12 @@ __all__ = ["Accumulator"]
 _instance_ids = itertools.count()
 
 
-def _counter(tag: str, name: str, value: int, dtype: Any = ms.int32) -> Parameter:
+def _counter(tag: str, name: str, value: float, dtype: Any = ms.int32) -> Parameter:
     return Parameter(Tensor(value, dtype), f"{tag}.{name}", requires_grad=False)
 
 
 @ms.jit_class
-class Accumulator:
+class Accumulator(HostSide):
     """Accumulate N micro-batch gradients in one buffer and apply them as one exact update.
 
     Call it with each micro-batch's gradients, inside ``@ms.jit`` or eagerly. At each window
@@ -51,7 +55,14 @@ class Accumulator:
     Normalization: with ``weighting="mean"`` the window's gradient is the mean of its
     micro-batch gradients (a flushed window of r micro-batches is the mean over r); with
     ``weighting="items"`` every call passes ``n_items`` and the window's gradient is the gradient
-    of ``sum(n_i * loss_i) / sum(n_i)``.
+    of ``sum(n_i * loss_i) / sum(n_i)``. Pass ``loss=`` too and :attr:`window_loss` reports the
+    window's loss, weighted the same way.
+
+    Data parallel (``msrun``, after ``mindspore.communication.init()``): every rank calls the
+    accumulator with its own micro-batches, and at the boundary the window's gradient, item
+    total and loss are summed over the ranks in one all-reduce, before normalizing and clipping;
+    the micro-steps in between communicate nothing. Every rank must feed the same number of
+    micro-batches per window and call :meth:`flush` and :meth:`discard` at the same points.
 
     Args:
         optimizer: the ``mindspore.nn.Optimizer`` to step once per window; the gradients passed
@@ -61,6 +72,9 @@ class Accumulator:
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         weighting: ``"mean"`` (default) or ``"items"``. Fixed per accumulator, so that a graph
             that mixes the two fails when it compiles rather than at run time.
+        data_parallel: ``None`` (default): reduce over the ranks when
+            ``mindspore.communication.init()`` has run with more than one; ``True``: the same,
+            and raise if it has not run; ``False``: never (you reduce the gradients yourself).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -75,13 +89,19 @@ class Accumulator:
         [False, True, False, True]
         >>> acc.optimizer_steps, acc.micro_step
         (2, 0)
+        >>> loss, grads = grad_fn(x)
+        >>> bool(acc(grads, loss=loss)), bool(acc(grads, loss=loss))
+        (False, True)
+        >>> round(acc.window_loss, 5) == round(float(loss), 5)
+        True
     """
 
     def __init__(self, optimizer: Any, steps: Any, clip_norm: float | None = None, *,
-                 weighting: Weighting = "mean") -> None:
+                 weighting: Weighting = "mean", data_parallel: bool | None = None) -> None:
         schedule = as_schedule(steps)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
         check_parts(optimizer, weighting, schedule)
+        world = data_parallel_world(data_parallel)
         self.optimizer = optimizer
         self.schedule = schedule
         self.weighting = weighting
@@ -96,17 +116,23 @@ class Accumulator:
         self._grads = optimizer.parameters.clone(prefix=tag, init="zeros")
         for buf in self._grads:
             buf.requires_grad = False
+        self._reduce = WindowReduce(self._grads, world) if world > 1 else None
         first = schedule(0)
         self._size = _counter(tag, "size", first)
         self._next_size = _counter(tag, "next_size", first)
         self._micro_step = _counter(tag, "micro_step", 0)
         self._optimizer_steps = _counter(tag, "optimizer_steps", 0, ms.int64)
         self._items = _counter(tag, "items", 0, ms.int64)
-        self._grad_norm = Parameter(Tensor(0.0, ms.float32), f"{tag}.grad_norm", requires_grad=False)
+        self._grad_norm = _counter(tag, "grad_norm", 0.0, ms.float32)
+        # The window's losses, weighted like its gradients, and how many micro-batches gave one.
+        self._loss_sum = _counter(tag, "loss_sum", 0.0, ms.float32)
+        self._loss_count = _counter(tag, "loss_count", 0)
+        self._window_loss = _counter(tag, "window_loss", 0.0, ms.float32)
+        self._has_window_loss = _counter(tag, "has_window_loss", 0)
         self._map = ops.HyperMap()
 
     # ------------------------------------------------------------------ graph methods
-    def __call__(self, grads: Sequence[Tensor], n_items: Any = None) -> Tensor:
+    def __call__(self, grads: Sequence[Tensor], n_items: Any = None, *, loss: Tensor | None = None) -> Tensor:
         """Add one micro-batch's gradients; step the optimizer when the window is complete.
 
         Args:
@@ -117,46 +143,57 @@ class Accumulator:
                 every call): an integer Tensor (its value is not read, so that the graph never
                 waits for it) or a Python int >= 1 (checked; each new int value compiles anew
                 inside ``@ms.jit``).
+            loss: the micro-batch's mean loss (the ``value_and_grad`` value), to record the
+                window's loss (:attr:`window_loss`); a float Tensor of one element.
 
         Returns:
             A bool Tensor: True when this call completed the window and the optimizer stepped.
 
         Raises:
-            TypeError, ValueError: a bad ``n_items`` or ``grads``; inside ``@ms.jit`` when the
-                graph compiles, before anything changes.
+            TypeError, ValueError: a bad ``n_items``, ``grads`` or ``loss``; inside ``@ms.jit``
+                when the graph compiles, before anything changes.
         """
-        check_call(len(self._grads), self.weighting, grads, n_items)
+        check_call(len(self._grads), self.weighting, grads, n_items, loss)
         if n_items is None:
             added = self._add(grads)
+            if loss is not None:
+                added = ops.depend(added, self._add_loss(loss.reshape(()).astype(ms.float32)))
         else:
             count = Tensor(n_items, ms.int64) if isinstance(n_items, int) else (
                 n_items.reshape(()).astype(ms.int64))
             added = self._add_weighted(grads, count)
             ops.assign_add(self._items, count)
+            if loss is not None:
+                weighted = loss.reshape(()).astype(ms.float32) * count.astype(ms.float32)
+                added = ops.depend(added, self._add_loss(weighted))
         ops.assign_add(self._micro_step, Tensor(1, ms.int32))
         stepped = ops.depend(self._micro_step >= self._size, added)
         if stepped:
             # Assigned, not just called: inside a graph branch, MindSpore drops a call whose
             # result goes nowhere (a method returning None), side effects included.
-            stepped = self._apply()
+            stepped = self._apply(self._totals())
         return stepped
 
     def flush(self) -> Tensor:
         """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
 
+        Under data parallel every rank must call it, also a rank whose window is empty: the
+        window is reduced first (one all-reduce), and every rank steps when any rank held
+        micro-batches. The mean is then over all the micro-batches the ranks held.
+
         Returns:
             A bool Tensor: True when the optimizer stepped, False when nothing was pending.
         """
-        stepped = self._micro_step > 0
+        totals = self._totals()
+        stepped = totals[0] > 0
         if stepped:
-            stepped = self._apply()
+            stepped = self._apply(totals)
         return stepped
 
     def discard(self) -> Tensor:
-        """Drop the partial window: the next micro-batch starts a new one."""
-        ops.assign(self._micro_step, Tensor(0, ms.int32))
-        ops.assign(self._items, Tensor(0, ms.int64))
-        return self._micro_step == 0
+        """Drop the partial window: the next micro-batch starts a new one (every rank at once
+        under data parallel)."""
+        return self._reset()
 
     def _add(self, grads: Sequence[Tensor]) -> Any:
         # Both branches return their assigns' results: a graph branch whose result goes nowhere
@@ -174,11 +211,30 @@ class Accumulator:
             done = self._map(ops.partial(buffers.add_weighted_, count), self._grads, grads)
         return done
 
-    def _apply(self) -> Tensor:
-        if self.weighting == "items":
-            factor = 1.0 / self._items.astype(ms.float32)
-        else:
-            factor = 1.0 / self._micro_step.astype(ms.float32)
+    def _add_loss(self, value: Tensor) -> Tensor:
+        ops.assign_add(self._loss_sum, value)
+        return ops.assign_add(self._loss_count, Tensor(1, ms.int32))
+
+    def _totals(self) -> Tensor:
+        """The window's counters (micro-batches, items, loss sum, losses given), over all ranks.
+
+        Under data parallel this is the window's one all-reduce, which also sums the buffers.
+        """
+        items = self._items
+        local = ops.stack((self._micro_step.astype(ms.float32),
+                           (items // ITEM_BASE).astype(ms.float32), (items % ITEM_BASE).astype(ms.float32),
+                           self._loss_sum.value(), self._loss_count.astype(ms.float32)))
+        if self._reduce is None:
+            return local
+        return self._reduce(self._grads, local, self._micro_step > 0).astype(ms.float32)
+
+    def _apply(self, totals: Tensor) -> Tensor:
+        micro = totals[0]
+        # Under item weighting, both parts of the total are exact integers in float32 (so is
+        # x ITEM_BASE, a power of two); their sum is rounded once, here.
+        factor = 1.0 / (totals[1] * ITEM_BASE + totals[2]) if self.weighting == "items" else 1.0 / micro
+        ops.assign(self._window_loss, totals[3] * factor)
+        ops.assign(self._has_window_loss, (totals[4] == micro).astype(ms.int32))
         if self.clip_norm is not None:
             # The norm of the normalized gradient is factor x the buffer's; one scaling pass
             # applies both, with the coefficient torch's clip_grad_norm_ uses.
@@ -188,9 +244,15 @@ class Accumulator:
         self._map(ops.partial(buffers.scale_, factor), self._grads)
         self.optimizer(self._grads)
         ops.assign_add(self._optimizer_steps, Tensor(1, ms.int64))
-        ops.assign(self._micro_step, Tensor(0, ms.int32))
-        ops.assign(self._items, Tensor(0, ms.int64))
+        done = self._reset()
         self._reopen()
+        return done
+
+    def _reset(self) -> Tensor:
+        ops.assign(self._items, Tensor(0, ms.int64))
+        ops.assign(self._loss_sum, Tensor(0.0, ms.float32))
+        ops.assign(self._loss_count, Tensor(0, ms.int32))
+        ops.assign(self._micro_step, Tensor(0, ms.int32))
         return self._micro_step == 0
 
     def _reopen(self) -> None:
@@ -201,81 +263,3 @@ class Accumulator:
             starts, sizes = self._table
             index = (starts <= self._optimizer_steps).astype(ms.int32).sum() - 1
             ops.assign(self._size, sizes[index])
-
-    # ------------------------------------------------------------------ host methods
-    @property
-    def window(self) -> Window:
-        """The current window as the core's record (read from the graph's state)."""
-        micro = int(self._micro_step.asnumpy())
-        weighting = None if micro == 0 else self.weighting
-        items = int(self._items.asnumpy()) if self.weighting == "items" else 0
-        return Window(int(self._size.asnumpy()), micro, weighting, items)
-
-    @property
-    def micro_step(self) -> int:
-        """Micro-batches fed to the current window (0 right after a boundary)."""
-        return int(self._micro_step.asnumpy())
-
-    @property
-    def steps(self) -> int:
-        """Micro-batches that complete the current window (N)."""
-        return int(self._size.asnumpy())
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps taken so far."""
-        return int(self._optimizer_steps.asnumpy())
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The last window gradient's global L2 norm before clipping (``None`` without clip)."""
-        return None if self.clip_norm is None else float(self._grad_norm.asnumpy())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell an epoch schedule (``Schedule(..., by="epoch")``) that ``epoch`` begins.
-
-        An empty window takes the new N at once; a window carried over keeps its N until its
-        boundary. Call it outside the graph, before the epoch's first micro-batch.
-
-        Raises:
-            TypeError, ValueError: ``epoch`` is not an integer >= 0.
-        """
-        self.epoch = check_nonneg_int("epoch", epoch)
-        if not self._by_epoch:
-            return
-        size = self.schedule(self.epoch)
-        self._next_size.set_data(Tensor(size, ms.int32))
-        if self.micro_step == 0:
-            self._size.set_data(Tensor(size, ms.int32))
-
-    def state_dict(self) -> dict[str, Any]:
-        """All a bit-exact resume in the middle of a window needs (NumPy copies, picklable).
-
-        Returns:
-            Counters, the window record (size, micro-step, weighting, item total), the schedule's
-            description, a parameter signature and copies of the partial gradients. Save it
-            beside the model's and the optimizer's checkpoints.
-        """
-        return _state.pack(self.window, self.schedule.describe(), self.optimizer_steps,
-                           self.epoch, self._grads)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`, partial gradients included.
-
-        Raises:
-            TypeError, ValueError: not a state, or one from an accumulator with other ``steps``,
-                weighting or parameters; nothing is changed then.
-        """
-        window = _state.check(state, self.schedule.describe(), self.weighting, self._grads)
-        _state.restore(state, self._grads)
-        self.epoch = state["epoch"]
-        self._size.set_data(Tensor(window.size, ms.int32))
-        size = self.schedule(self.epoch) if self._by_epoch else window.size
-        self._next_size.set_data(Tensor(size, ms.int32))
-        self._micro_step.set_data(Tensor(window.micro_step, ms.int32))
-        self._items.set_data(Tensor(int(window.items), ms.int64))
-        self._optimizer_steps.set_data(Tensor(state["optimizer_steps"], ms.int64))
-
-    def __repr__(self) -> str:
-        return (f"Accumulator(steps={self.schedule.describe()!r}, weighting={self.weighting!r}, "
-                f"micro_step={self.micro_step}, optimizer_steps={self.optimizer_steps})")

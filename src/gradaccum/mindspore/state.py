@@ -1,45 +1,66 @@
 """Checkpointable state of the MindSpore accumulator: pack, check and restore (host side).
 
 The record is the core's (:mod:`gradaccum.core.checkpoint`), so a state reads the same on both
-backends; the partial gradients are NumPy copies, so a state pickles without MindSpore.
+backends; the partial gradients are NumPy copies, so a state pickles without MindSpore. Loading
+is two steps: :func:`check` validates every field and converts what it will write (nothing
+changes if it raises); the accumulator then writes it all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 from mindspore import Parameter, Tensor
 
-from gradaccum.core import Window
-from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, window_from_record
+from gradaccum.core import Schedule, Window
+from gradaccum.core.checkpoint import (
+    FORMAT_VERSION,
+    check_optional_number,
+    check_record_keys,
+    check_state_record,
+    param_signature,
+    window_from_record,
+)
+from gradaccum.core.validate import check_nonneg_int
 
-__all__ = ["check", "pack", "param_signature", "restore"]
+__all__ = ["KEYS", "Saved", "check", "pack"]
+
+KEYS = ("version", "steps", "window", "optimizer_steps", "skipped_windows", "epoch",
+        "param_signature", "grads")  # "window_loss" and "loss_sum" may be absent (None)
+_INT32_MAX, _INT64_MAX = 2**31 - 1, 2**63 - 1
 
 
-def param_signature(params: Sequence[Parameter]) -> list[list[Any]]:
-    """Shape and dtype of every buffer, to recognize a state saved for other parameters.
+@dataclass(frozen=True)
+class Saved:
+    """A checked state, ready to write: the window, the counters, the buffers as Tensors."""
 
-    Example:
-        >>> import mindspore as ms
-        >>> param_signature([ms.Parameter(ms.ops.zeros((2, 3)), "w")])
-        [[[2, 3], 'Float32']]
-    """
-    return [[list(p.shape), str(p.dtype)] for p in params]
+    window: Window
+    next_size: int
+    optimizer_steps: int
+    epoch: int
+    grads: list[Tensor]
+    window_loss: float | None
+    loss_sum: float | None
 
 
-def pack(window: Window, steps: Any, optimizer_steps: int, epoch: int,
-         buffers: Sequence[Parameter]) -> dict[str, Any]:
-    """The state record: counters, the window, and copies of the partial gradients."""
+def pack(window: Window, steps: Any, counters: tuple[int, int], buffers: Sequence[Parameter],
+         losses: tuple[float | None, float | None]) -> dict[str, Any]:
+    """The state record: counters ``(optimizer_steps, epoch)``, the window, the losses
+    ``(window_loss, loss_sum)`` and copies of the partial gradients."""
     return {
         "version": FORMAT_VERSION,
         "steps": steps,
         "window": {"size": window.size, "micro_step": window.micro_step,
                    "weighting": window.weighting, "items": int(window.items)},
-        "optimizer_steps": optimizer_steps,
+        "optimizer_steps": counters[0],
         "skipped_windows": 0,
-        "epoch": epoch,
+        "epoch": counters[1],
+        "window_loss": losses[0],
+        "loss_sum": losses[1],
         "param_signature": param_signature(buffers),
         # An empty window's buffer holds the last window's values (the next micro-batch
         # overwrites them): save zeros, what the window holds.
@@ -48,28 +69,57 @@ def pack(window: Window, steps: Any, optimizer_steps: int, epoch: int,
     }
 
 
-def check(state: Any, steps: Any, weighting: str, buffers: Sequence[Parameter]) -> Window:
-    """Check a state against this accumulator before anything changes.
+def check(state: Any, schedule: Schedule, weighting: str, buffers: Sequence[Parameter]) -> Saved:
+    """Check every field of ``state`` this accumulator will use, before anything changes.
 
     Returns:
-        The saved window, rebuilt (and so validated) by the core.
+        What to write, validated and converted.
 
     Raises:
-        TypeError, ValueError: see :func:`gradaccum.core.check_state_record`; also a window of
-            the other weighting, or a gradient of the wrong shape.
+        TypeError, ValueError: the first bad field, named (``state['optimizer_steps']``); see also
+            :func:`gradaccum.core.check_state_record` (version, steps, parameters).
     """
-    check_state_record(state, steps, param_signature(buffers))
+    check_record_keys(state, KEYS)
+    if not isinstance(state["grads"], (list, tuple)):
+        raise TypeError(f"state['grads'] must be a list of arrays, got {type(state['grads']).__name__}")
+    if not isinstance(state["param_signature"], (list, tuple)):
+        raise TypeError(f"state['param_signature'] must be a list, got "
+                        f"{type(state['param_signature']).__name__}")
+    check_state_record(state, schedule.describe(), param_signature(buffers))
     window = window_from_record(state["window"])
     if window.weighting not in (None, weighting):
         raise ValueError(f"state holds a window with weighting={window.weighting!r}, this "
                          f"accumulator has weighting={weighting!r}")
-    for i, (g, b) in enumerate(zip(state["grads"], buffers, strict=True)):
-        if np.shape(g) != tuple(b.shape):
-            raise ValueError(f"state gradient {i} has shape {np.shape(g)}, buffer has {tuple(b.shape)}")
-    return window
+    if not isinstance(window.items, Integral) or int(window.items) > _INT64_MAX:
+        raise ValueError(f"state['window']['items'] must be an integer count below 2**63 here, "
+                         f"got {window.items!r}")
+    if window.size > _INT32_MAX:
+        raise ValueError(f"state['window']['size'] must be below 2**31, got {window.size}")
+    steps = check_nonneg_int("state['optimizer_steps']", state["optimizer_steps"])
+    if steps > _INT64_MAX:
+        raise ValueError(f"state['optimizer_steps'] must be below 2**63, got {steps}")
+    check_nonneg_int("state['skipped_windows']", state["skipped_windows"])
+    epoch = check_nonneg_int("state['epoch']", state["epoch"])
+    if schedule.by == "optimizer_step" and window.size != schedule(steps):
+        raise ValueError(f"state['window']['size'] is {window.size}, but steps={schedule.describe()!r} "
+                         f"opens windows of {schedule(steps)} at optimizer step {steps}")
+    loss_sum = check_optional_number(state, "loss_sum")
+    if loss_sum is not None and window.empty:
+        raise ValueError(f"state['loss_sum'] is {loss_sum!r} for an empty window (None expected)")
+    return Saved(window, schedule(epoch) if schedule.by == "epoch" else window.size, steps, epoch,
+                 [_grad(i, g, b) for i, (g, b) in enumerate(zip(state["grads"], buffers, strict=True))],
+                 check_optional_number(state, "window_loss"), loss_sum)
 
 
-def restore(state: dict[str, Any], buffers: Sequence[Parameter]) -> None:
-    """Copy the saved partial gradients into the accumulation buffers."""
-    for g, b in zip(state["grads"], buffers, strict=True):
-        b.set_data(Tensor(np.asarray(g), dtype=b.dtype))
+def _grad(i: int, saved: Any, buffer: Parameter) -> Tensor:
+    """A saved partial gradient as a Tensor for ``buffer`` (``None``: zeros, as torch saves an
+    unused parameter's gradient)."""
+    if saved is None:
+        return Tensor(np.zeros(buffer.shape), dtype=buffer.dtype)
+    array = np.asarray(saved)
+    if array.dtype.kind not in "fiu":
+        raise TypeError(f"state['grads'][{i}] must be a numeric array, got dtype {array.dtype}")
+    if array.shape != tuple(buffer.shape):
+        raise ValueError(f"state['grads'][{i}] has shape {array.shape}, the parameter has "
+                         f"{tuple(buffer.shape)}")
+    return Tensor(array, dtype=buffer.dtype)

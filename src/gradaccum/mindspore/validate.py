@@ -18,6 +18,7 @@ from gradaccum.core import Schedule
 
 __all__ = ["check_call", "check_parts"]
 
+FLOAT_DTYPES = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 INT_DTYPES = (ms.int8, ms.int16, ms.int32, ms.int64, ms.uint8, ms.uint16, ms.uint32, ms.uint64)
 
 
@@ -41,14 +42,25 @@ def check_parts(optimizer: Any, weighting: Any, schedule: Schedule) -> None:
         )
 
 
-def check_call(n_buffers: int, weighting: str, grads: Sequence[Tensor], n_items: Any) -> None:
-    """Check one call's ``grads`` and ``n_items`` (graph-compatible, see the module docstring).
+def check_call(n_buffers: int, weighting: str, grads: Sequence[Tensor], n_items: Any,
+               loss: Any = None) -> None:
+    """Check one call's ``grads``, ``n_items`` and ``loss`` (graph-compatible, see the module
+    docstring).
 
     Raises:
-        TypeError: ``n_items`` of the wrong type or dtype.
+        TypeError: ``n_items`` or ``loss`` of the wrong type or dtype.
         ValueError: the wrong number of gradients, ``n_items`` missing or unexpected for the
             weighting, an int below 1, or a tensor with more than one element.
     """
+    if loss is not None:
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be the micro-batch's loss as a float Tensor, got "
+                            f"{type(loss).__name__}")
+        if loss.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"loss must be a float Tensor, got a {loss.dtype} Tensor")
+        if loss.size != 1:
+            raise ValueError(f"loss must be a scalar (the micro-batch's mean loss), got a Tensor of "
+                             f"shape {loss.shape}")
     if len(grads) != n_buffers:
         raise ValueError(f"grads holds {len(grads)} tensors for the optimizer's {n_buffers} parameters")
     if n_items is None:
