@@ -3,15 +3,14 @@
 Every rank generates the same global data from seeds, trains its share through a DDP model and
 the Accumulator, and also computes the one-process full-batch reference on the whole global
 batch (cheap at this size), so the test compares both without shipping models around.
-Run as ``python ddp_ranks.py OUT`` under the torchrun environment (see tests/ranks.py).
+Run as ``python -m tests.distributed.ddp_ranks OUT`` under the torchrun environment (see
+tests/ranks.py).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +20,19 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.functional import cross_entropy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference, ranks
-
 import gradaccum
-from ranks import run_scenarios
-from reference import D_IN, D_OUT, HIDDEN, bitwise_equal, data, make_optimizer, mlp, reference_steps, snapshot
+from tests.ranks import run_scenarios
+from tests.reference import (
+    D_IN,
+    D_OUT,
+    HIDDEN,
+    bitwise_equal,
+    data,
+    make_optimizer,
+    mlp,
+    reference_steps,
+    snapshot,
+)
 
 STEPS, MICRO, WINDOWS = 3, 4, 3
 

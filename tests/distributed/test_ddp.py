@@ -4,19 +4,17 @@ All scenarios run in one launch of tests/distributed/ddp_ranks.py (spawning rank
 seconds); each test below checks one behaviour of that run.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from ranks import run_ranks, scenario
+from tests.ranks import run_ranks, scenario
 
 STEPS, WINDOWS = 3, 3  # as in ddp_ranks.py
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks(Path(__file__).with_name("ddp_ranks.py"), tmp_path_factory.mktemp("ddp"))
+    return run_ranks("tests.distributed.ddp_ranks", tmp_path_factory.mktemp("ddp"))
 
 
 def assert_all_close(got, want, **tol):
