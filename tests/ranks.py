@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -163,13 +163,21 @@ def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 Scenario = Callable[[int, int], dict[str, Any]]
 
 
-def run_scenarios(scenarios: dict[str, Scenario], timeout_s: float = 60.0, destroy: bool = True) -> None:
-    """Rank side: join the gloo group from the torchrun environment, run every scenario, save.
+def run_scenarios(scenarios: dict[str, Scenario], timeout_s: float = 60.0,
+                  broken: bool = False) -> NoReturn:
+    """Rank side: join the gloo group from the torchrun environment, run every scenario, save, exit.
 
     A scenario is ``fn(rank, world) -> dict``; an exception is saved as ``{"error": traceback}``
     so that the others still run and the test shows which one failed. ``timeout_s`` bounds any
-    collective, so a broken scenario fails the run instead of hanging it. ``destroy=False`` skips
-    ``destroy_process_group`` for a last scenario that leaves the group broken on purpose.
+    collective, so a broken scenario fails the run instead of hanging it. ``broken=True`` says
+    the last scenario leaves the default group broken on purpose: no barrier, no teardown.
+
+    This never returns: after saving, the rank tears a healthy group down and ends the process
+    with ``os._exit(0)``, which skips the interpreter's finalization. There, a gloo worker thread
+    that drops the last reference to a collective's tensor must take the GIL, which CPython
+    answers by ending the thread with ``pthread_exit``; unwinding through the tensor's
+    ``noexcept`` destructor calls ``std::terminate`` ("terminate called without an active
+    exception", exit -6) after every scenario has passed.
     """
     import traceback
     from datetime import timedelta
@@ -189,5 +197,27 @@ def run_scenarios(scenarios: dict[str, Scenario], timeout_s: float = 60.0, destr
             results[name] = {"error": traceback.format_exc()}
         print(f"{name}: {time.monotonic() - start:.2f}s", flush=True)  # in OUT/rank{r}.log
     torch.save(results, out / f"rank{rank}.pt")
-    if destroy:
-        dist.destroy_process_group()
+    _exit_rank(healthy=not broken)
+
+
+def _exit_rank(healthy: bool = True) -> NoReturn:
+    """End a rank process: tear a healthy group down (after every rank got here), then ``os._exit``.
+
+    See ``run_scenarios`` for why the interpreter's finalization is skipped. A teardown that
+    fails (a scenario broke the group by mistake) is printed to the log and exits with 1.
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    code = 0
+    if healthy and dist.is_initialized():
+        try:
+            dist.barrier()  # no rank leaves while another still talks to it
+            dist.destroy_process_group()
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

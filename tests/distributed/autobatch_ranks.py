@@ -121,5 +121,5 @@ SCENARIOS = {"recovers_on_both_ranks": recovers_on_both_ranks,
 
 
 if __name__ == "__main__":
-    # The last scenario leaves the group broken on purpose: no destroy_process_group.
-    run_scenarios(SCENARIOS, timeout_s=60, destroy=False)
+    # The last scenario leaves the default group broken on purpose.
+    run_scenarios(SCENARIOS, timeout_s=60, broken=True)
