@@ -38,6 +38,7 @@ def test_user_factory_with_dropout(capsys, tmp_path, monkeypatch):
     (tmp_path / "usernets.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "usernets", raising=False)  # this test's file, not a cached one
     assert main(["check", "--model", "usernets:dropout_net", "--input-shape", "5"]) == 1
     out = capsys.readouterr().out
     assert "1 (Dropout)" in out and "3 (Dropout)" in out
@@ -64,6 +65,7 @@ def test_usage_errors_exit_2(capsys, tmp_path, monkeypatch):
     (tmp_path / "usernets.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "usernets", raising=False)  # this test's file, not a cached one
     for argv, message in [
         (["--model", "resnet"], "--model must be one of"),
         (["--model", "usernets:plain_net"], "--input-shape or --sample"),

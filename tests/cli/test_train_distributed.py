@@ -1,17 +1,11 @@
 """`torchrun --nproc-per-node 2 -m gradaccum train`: the same run as one process with the same
 global batch (DistributedSampler shares, DDP, one sync per window), printed and written once."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
-import gradaccum
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
-from ranks import free_port
+from tests.ranks import torchrun
 
 # 600 items: neither process count divides them into whole micro-batches, so the last
 # micro-batch of each epoch is weighted by its items (over both ranks) and flushed.
@@ -19,15 +13,8 @@ COMMON = ["--limit-train", "600", "--limit-test", "200", "--epochs", "2", "--no-
           "--optimizer", "momentum", "--log-every", "5"]
 
 
-def torchrun(args, world=2, timeout=240):
-    src = str(Path(gradaccum.__file__).parents[1])
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "gradaccum", "train", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+def train(args, tmp_path):
+    return torchrun(["-m", "gradaccum", "train", *args], tmp_path)
 
 
 def windows(out):
@@ -35,7 +22,8 @@ def windows(out):
 
 
 def test_two_ranks_train_exactly_like_one_process_with_the_same_global_batch(tmp_path, capsys):
-    text = torchrun([*COMMON, "--global-batch", "64", "--micro-batch", "16", "--out", str(tmp_path / "two")])
+    text = train([*COMMON, "--global-batch", "64", "--micro-batch", "16", "--out", str(tmp_path / "two")],
+                 tmp_path)
     assert text.count("gradaccum train: ") == 1  # rank 0 prints for both
     assert "micro-batch 16 x steps 2 x 2 ranks = batch 64" in text
     one_args = ["train", *COMMON, "--micro-batch", "32", "--steps", "2", "--out", str(tmp_path / "one")]
@@ -53,9 +41,9 @@ def test_two_ranks_train_exactly_like_one_process_with_the_same_global_batch(tmp
 
 def test_window_batchnorm_under_torchrun_pools_statistics_over_the_ranks(tmp_path):
     # Converted before DDP wraps the model; each window's statistics are pooled over both ranks.
-    text = torchrun(["--model", "cnn-bn", "--bn", "window", "--limit-train", "256", "--limit-test",
-                     "100", "--epochs", "1", "--no-progress", "--micro-batch", "16", "--steps", "2",
-                     "--out", str(tmp_path / "bn")])
+    text = train(["--model", "cnn-bn", "--bn", "window", "--limit-train", "256", "--limit-test",
+                  "100", "--epochs", "1", "--no-progress", "--micro-batch", "16", "--steps", "2",
+                  "--out", str(tmp_path / "bn")], tmp_path)
     assert text.count("Test: Accuracy") == 1
     epoch = next(r for r in read_metrics(tmp_path / "bn" / "metrics.jsonl") if r["kind"] == "epoch")
     assert epoch["optimizer_steps"] == 4  # 256 items / (16 x 2 x 2 ranks)

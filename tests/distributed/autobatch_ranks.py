@@ -1,27 +1,23 @@
 """Rank side of tests/distributed/test_autobatch_ddp.py: AutoBatch under DDP on gloo ranks.
 
-Run as ``python autobatch_ranks.py OUT`` under the torchrun environment (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT); every scenario runs in one launch and the results go to
-``OUT/rank{r}.pt``. Out-of-memory errors are injected on one rank at a time.
+Run as ``python -m tests.distributed.autobatch_ranks OUT`` under the torchrun environment (see
+tests/ranks.py); every scenario runs in one launch and the results go to ``OUT/rank{r}.pt``.
+Out-of-memory errors are injected on one rank at a time.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference
-
 import gradaccum
-from ranks import run_scenarios
-from reference import data, mlp, reference_steps
+from tests.ranks import run_scenarios
+from tests.reference import data, mlp, reference_steps
 
 GLOBAL, WINDOWS = 24, 4  # items per window over both ranks; windows
 
@@ -124,10 +120,6 @@ SCENARIOS = {"recovers_on_both_ranks": recovers_on_both_ranks,
              "oom_in_a_synced_last_micro_batch": oom_in_a_synced_last_micro_batch}
 
 
-def main() -> None:
-    # The last scenario leaves the group broken on purpose: no destroy_process_group.
-    run_scenarios(SCENARIOS, timeout_s=60, destroy=False)
-
-
 if __name__ == "__main__":
-    main()
+    # The last scenario leaves the default group broken on purpose.
+    run_scenarios(SCENARIOS, timeout_s=60, broken=True)

@@ -1,13 +1,12 @@
 """Rank side of tests/distributed/test_fsdp.py: FSDP2 (``fully_shard``) on CPU with gloo.
 
 As in ddp_ranks.py, every rank computes the one-process full-batch reference itself.
-Run as ``python fsdp_ranks.py OUT`` under the torchrun environment (see tests/ranks.py).
+Run as ``python -m tests.distributed.fsdp_ranks OUT`` under the torchrun environment (see
+tests/ranks.py).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,11 +15,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.functional import cross_entropy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference, ranks
-
 import gradaccum
-from ranks import run_scenarios
-from reference import data, make_optimizer, mlp
+from tests.ranks import run_scenarios
+from tests.reference import data, make_optimizer, mlp
 
 STEPS, MICRO, WINDOWS, CLIP = 3, 4, 3, 0.2
 

@@ -2,25 +2,22 @@
 windows, and the guard rails under DDP on gloo ranks.
 
 Every rank draws the same global data, trains its share through a DDP model and computes the
-one-process full-batch reference itself. Run under the torchrun environment (see tests/ranks.py).
+one-process full-batch reference itself. Run as ``python -m tests.distributed.items_ranks OUT``
+under the torchrun environment (see tests/ranks.py).
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.functional import cross_entropy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference, ranks
-
 import gradaccum
-from ranks import run_scenarios
-from reference import bitwise_equal, data, make_optimizer, mlp, snapshot
+from tests.ranks import run_scenarios
+from tests.reference import bitwise_equal, data, make_optimizer, mlp, snapshot
 
 MICRO = 4
 # Valid samples per micro-batch, [window][rank][micro-batch]: uneven across ranks, some empty.

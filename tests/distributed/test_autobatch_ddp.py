@@ -6,20 +6,18 @@ seconds); each test checks one behaviour of that run. A deadlock fails the launc
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ranks import run_ranks, scenario
-
-SCRIPT = Path(__file__).with_name("autobatch_ranks.py")
+from tests.ranks import run_ranks, scenario
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(SCRIPT, tmp_path_factory.mktemp("autobatch_ddp"), timeout=180.0)
+    out = tmp_path_factory.mktemp("autobatch_ddp")
+    return run_ranks("tests.distributed.autobatch_ranks", out, timeout=180.0)
 
 
 def test_an_oom_on_one_rank_makes_every_rank_retry_and_training_stays_exact(ranks):

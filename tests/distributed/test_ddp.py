@@ -4,19 +4,17 @@ All scenarios run in one launch of tests/distributed/ddp_ranks.py (spawning rank
 seconds); each test below checks one behaviour of that run.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from ranks import run_ranks, scenario
+from tests.ranks import run_ranks, scenario
 
 STEPS, WINDOWS = 3, 3  # as in ddp_ranks.py
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks(Path(__file__).with_name("ddp_ranks.py"), tmp_path_factory.mktemp("ddp"))
+    return run_ranks("tests.distributed.ddp_ranks", tmp_path_factory.mktemp("ddp"))
 
 
 def assert_all_close(got, want, **tol):
@@ -123,6 +121,6 @@ def test_batch_size_check_names_all_four_numbers(ranks):
 def test_a_rank_that_raises_mid_window_does_not_hang_the_other(ranks):
     r0, r1 = scenario(ranks, "stalled_peer")
     assert r1["outcome"] == "raised: a bad batch on rank 1"
-    # Rank 0's boundary all-reduce gives up after the process group's timeout (3 s here).
-    assert "Timed out" in r0["outcome"], r0["outcome"]
-    assert 2.5 <= r0["waited"] < 60
+    # Rank 0's boundary all-reduce gives up after its process group's timeout (3 s here, against
+    # 60 s for the default group): gloo's message names it, so no clock is read.
+    assert "Timed out waiting 3000ms" in r0["outcome"], r0["outcome"]

@@ -4,19 +4,17 @@ and clipping of sharded (DTensor) gradients, against a one-process full-batch re
 All scenarios run in one launch of tests/distributed/fsdp_ranks.py.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from ranks import run_ranks, scenario
+from tests.ranks import run_ranks, scenario
 
 STEPS, WINDOWS, CLIP = 3, 3, 0.2  # as in fsdp_ranks.py
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks(Path(__file__).with_name("fsdp_ranks.py"), tmp_path_factory.mktemp("fsdp"))
+    return run_ranks("tests.distributed.fsdp_ranks", tmp_path_factory.mktemp("fsdp"))
 
 
 def assert_all_close(got, want):

@@ -1,17 +1,15 @@
 """Item weighting under DDP on 2 gloo ranks: summed losses with empty micro-batches and windows
 equal one process, a window of no items takes no step, and the guard rails speak up."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from ranks import run_ranks, scenario
+from tests.ranks import run_ranks, scenario
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks(Path(__file__).with_name("items_ranks.py"), tmp_path_factory.mktemp("items"))
+    return run_ranks("tests.distributed.items_ranks", tmp_path_factory.mktemp("items"))
 
 
 @pytest.mark.parametrize("name", ["summed_ints", "summed_tensors"])

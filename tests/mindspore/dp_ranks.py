@@ -3,7 +3,7 @@
 Every rank builds the same model and the same global data from seeds, feeds its share of each
 window to a data-parallel Accumulator inside ``@ms.jit`` (the seed's step shape), and saves what
 it saw to ``OUT/rank{r}.pkl``; the test computes the one-process reference itself.
-Run as ``msrun ... python dp_ranks.py OUT`` (see tests/mindspore_ranks.py).
+Run as ``msrun ... python tests/mindspore/dp_ranks.py OUT`` (see ``msrun_command`` in tests/ranks.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: mindspore_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.*
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import data, grad_fn, net, params
+from tests.mindspore_reference import data, grad_fn, net, params
 
 # Shared with the test: windows of STEPS micro-batches; each global micro-batch of
 # GLOBAL_MICRO items is split between the ranks in consecutive blocks.

@@ -15,9 +15,9 @@ pytest.importorskip("mindspore.nn", reason="needs MindSpore: pip install 'gradac
 import numpy as np
 from mindspore import nn
 
-from mindspore_ranks import load_ranks, run_msrun
-from mindspore_reference import LOSS, assert_params_close, data, full_batch_steps, grad_fn, net, params
-from mindspore_reference import params_differ as differ
+from tests.mindspore_reference import LOSS, assert_params_close, data, full_batch_steps, grad_fn, net, params
+from tests.mindspore_reference import params_differ as differ
+from tests.ranks import load_ranks, run_msrun
 
 # As in dp_ranks.py.
 STEPS, WINDOWS, GLOBAL_MICRO, CLIP = 2, 3, 8, 0.5

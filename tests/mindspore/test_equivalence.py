@@ -9,7 +9,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import (
+from tests.mindspore_reference import (
     TutorialAccumulator,
     assert_params_close,
     clip_,

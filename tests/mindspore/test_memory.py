@@ -7,7 +7,7 @@ pytest.importorskip("mindspore.nn", reason="needs MindSpore: pip install 'gradac
 from mindspore import nn
 
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import TutorialAccumulator, net, owned_bytes
+from tests.mindspore_reference import TutorialAccumulator, net, owned_bytes
 
 COUNTERS = 64  # a few scalar Parameters: size, micro-step, items, optimizer steps, norm
 

@@ -12,7 +12,7 @@ from mindspore import Tensor, nn
 
 from gradaccum import Schedule
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import data, grad_fn, net, params
+from tests.mindspore_reference import data, grad_fn, net, params
 
 MICRO = 4
 

@@ -12,7 +12,7 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
-from mindspore_ranks import run_msrun
+from tests.ranks import run_msrun
 
 # 200 items: each rank's 100 split into micro-batches of 16 leave 4, so the run weights by items
 # and flushes a short window at each epoch's end (one process: 200 in micro-batches of 32).

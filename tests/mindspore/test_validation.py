@@ -11,7 +11,7 @@ from mindspore import Tensor, nn
 
 from gradaccum import Schedule
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import data, grad_fn, net
+from tests.mindspore_reference import data, grad_fn, net
 
 
 def sgd(model=None):

@@ -9,7 +9,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from gradaccum.mindspore import Accumulator
-from mindspore_reference import LOSS, data, grad_fn, net
+from tests.mindspore_reference import LOSS, data, grad_fn, net
 
 MICRO = 4
 

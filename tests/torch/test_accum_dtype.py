@@ -8,7 +8,15 @@ from torch import nn
 
 import gradaccum
 from gradaccum.torch._accum_buffers import AccumBuffers
-from reference import assert_params_close, bitwise_equal, clone_model, data, mlp, reference_steps, snapshot
+from tests.reference import (
+    assert_params_close,
+    bitwise_equal,
+    clone_model,
+    data,
+    mlp,
+    reference_steps,
+    snapshot,
+)
 
 MICRO = 4
 

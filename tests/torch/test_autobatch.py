@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import assert_params_close, bitwise_equal, data, mlp, reference_steps, snapshot
+from tests.reference import assert_params_close, bitwise_equal, data, mlp, reference_steps, snapshot
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000 bytes."

@@ -11,7 +11,7 @@ from torch import nn
 import gradaccum
 from gradaccum import Accumulator, WindowBatchNorm
 from gradaccum.demos.models import build_model
-from reference import bitwise_equal, snapshot
+from tests.reference import bitwise_equal, snapshot
 
 F64 = torch.float64
 STAT_TOL = {"atol": 1e-10, "rtol": 0.0}

@@ -2,40 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-WORKER = Path(__file__).with_name("bn_ddp_worker.py")
-WORLD = 2
-WINDOWS = 2
-Results = list[dict[str, dict[str, list[torch.Tensor]]]]  # per rank, per mode: stats and inputs
+from tests.ranks import run_ranks, scenario
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WINDOWS = 2  # as in batchnorm_ranks.py
+Results = list[dict[str, Any]]  # per rank, per mode: stats and inputs
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    out = tmp_path_factory.mktemp("bn_ddp")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), port, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    for p in procs:
-        output, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, output
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    saved = run_ranks("tests.torch.batchnorm_ranks", tmp_path_factory.mktemp("bn_ddp"), timeout=180.0)
+    for mode in ("sync", "local"):
+        scenario(saved, mode)  # fails with the rank's traceback if the mode raised there
+    return saved
 
 
 def global_batch_stats(ranks: Results, mode: str) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import gradaccum
-from reference import assert_params_close, clone_model
+from tests.reference import assert_params_close, clone_model
 
 SEQ, D_IN, CLASSES = 5, 6, 3
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import (
+from tests.reference import (
     assert_params_close,
     bitwise_equal,
     clone_model,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import bitwise_equal, data, mlp, snapshot
+from tests.reference import bitwise_equal, data, mlp, snapshot
 
 
 def loss_of(model, seed=0):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import assert_params_close, bitwise_equal, clone_model, data, mlp, snapshot
+from tests.reference import assert_params_close, bitwise_equal, clone_model, data, mlp, snapshot
 
 VOCAB, PAD = 11, -100
 

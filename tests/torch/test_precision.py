@@ -5,7 +5,15 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import assert_params_close, bitwise_equal, clone_model, data, mlp, reference_steps, snapshot
+from tests.reference import (
+    assert_params_close,
+    bitwise_equal,
+    clone_model,
+    data,
+    mlp,
+    reference_steps,
+    snapshot,
+)
 
 MICRO = 4
 STEPS = 4

@@ -10,7 +10,7 @@ from torch import nn
 
 import gradaccum
 from gradaccum import Schedule
-from reference import assert_params_close, clone_model, data, mlp, reference_steps
+from tests.reference import assert_params_close, clone_model, data, mlp, reference_steps
 
 MICRO = 4  # items per micro-batch
 

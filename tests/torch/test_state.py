@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import data, mlp
+from tests.reference import data, mlp
 
 MICRO = 4
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gradaccum
-from reference import data, mlp
+from tests.reference import data, mlp
 
 
 def fresh(**kwargs):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import assert_params_close, clone_model
+from tests.reference import assert_params_close, clone_model
 
 VOCAB, PAD = 11, -100
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from reference import data, mlp
+from tests.reference import data, mlp
 
 
 def fresh(steps=2, **kwargs):

@@ -8,7 +8,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import gradaccum
-from reference import clone_model, data, mlp, reference_steps
+from tests.reference import clone_model, data, mlp, reference_steps
 
 MICRO = 4
 # Tensor methods that copy a value to the host (a GPU synchronization on a device tensor).

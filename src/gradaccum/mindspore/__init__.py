@@ -5,9 +5,7 @@ Needs MindSpore 2.10 and NumPy 1.x, kept out of the default install: ``pip insta
 """
 
 try:
-    # A plain ``import mindspore`` can succeed on a bare namespace package (a folder named
-    # mindspore on sys.path); only the real package has a version.
-    from mindspore import __version__ as _mindspore_version  # noqa: F401
+    import mindspore  # noqa: F401
 except ImportError as err:
     raise ImportError(
         "gradaccum.mindspore needs MindSpore: install the extra with "

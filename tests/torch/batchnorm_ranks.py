@@ -1,21 +1,21 @@
-"""One rank of the window-BatchNorm DDP test (run by test_batchnorm_ddp.py, not collected).
+"""Rank side of tests/torch/test_batchnorm_ddp.py: window BatchNorm under DDP on gloo ranks.
 
-Usage: python bn_ddp_worker.py RANK WORLD PORT OUT_DIR. Trains two windows of two micro-batches
-under DDP (gloo) with window BatchNorm, once with sync=True and once with sync=False, and saves
-each BatchNorm's running statistics and recorded inputs to OUT_DIR/rank{RANK}.pt.
+Run as ``python -m tests.torch.batchnorm_ranks OUT`` under the torchrun environment (see
+tests/ranks.py). Trains two windows of two micro-batches with window BatchNorm, once with
+sync=True and once with sync=False, and saves each BatchNorm's running statistics and recorded
+inputs to ``OUT/rank{r}.pt``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradaccum
+from tests.ranks import run_scenarios
 
 
 def net() -> nn.Module:
@@ -24,7 +24,7 @@ def net() -> nn.Module:
                          nn.Linear(48, 4), nn.BatchNorm1d(4)).to(torch.float64)
 
 
-def run(rank: int, sync: bool) -> dict[str, list[torch.Tensor]]:
+def run(rank: int, sync: bool) -> dict[str, Any]:
     model = DistributedDataParallel(net())
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.05), steps=2, model=model)
     model = gradaccum.window_batchnorm(model, acc, sync=sync)
@@ -40,15 +40,6 @@ def run(rank: int, sync: bool) -> dict[str, list[torch.Tensor]]:
     return {"stats": stats, "inputs": [torch.cat(seen) for seen in inputs]}
 
 
-def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.save({"sync": run(rank, True), "local": run(rank, False)}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios({"sync": lambda rank, world: run(rank, True),
+                   "local": lambda rank, world: run(rank, False)})
