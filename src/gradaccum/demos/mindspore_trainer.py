@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 from tqdm import tqdm
 
 from gradaccum.core import parse_schedule
-from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.config import ConfigError, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks, epoch_order
 from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
@@ -104,19 +104,24 @@ class _Run:
 
 def _check(config: TrainConfig) -> None:
     if config.precision != "fp32":
-        raise ValueError(f"precision={config.precision!r}: the mindspore backend trains in fp32")
+        raise ConfigError(f"--precision {config.precision}: the mindspore backend trains in fp32")
     if config.device != "cpu":
-        raise ValueError(f"device={config.device!r}: the mindspore backend runs on the CPU here")
+        raise ConfigError(f"--device {config.device}: the mindspore backend runs on the CPU here")
+    if config.checkpoint_every is not None:
+        raise ConfigError("--checkpoint-every: the mindspore backend does not write checkpoints")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ValueError("the mindspore backend runs in one process, not under torchrun")
+        raise ConfigError("the mindspore backend runs in one process, not under torchrun")
 
 
 def _setup(config: TrainConfig, log: Log) -> _Run:
     _check(config)
     ms.set_device("CPU")
-    model = build_mindspore_model(config.model, config.init, seed=config.seed)
-    x, y = mnist_arrays("train", config.data_dir, config.limit_train)
-    x_test, y_test = mnist_arrays("test", config.data_dir, config.limit_test)
+    try:
+        model = build_mindspore_model(config.model, config.init, seed=config.seed)
+        x, y = mnist_arrays("train", config.data_dir, config.limit_train)
+        x_test, y_test = mnist_arrays("test", config.data_dir, config.limit_test)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from err
     params = model.trainable_params()
     opt = make_optimizer(config.optimizer, params, config.lr)
     steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
@@ -201,7 +206,8 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
         The run's results, with the final parameters as numpy arrays (torch's order and shapes).
 
     Raises:
-        ValueError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``, torchrun).
+        ConfigError: settings the backend does not run (bf16, a GPU device, ``cnn-bn``, checkpoints,
+            torchrun), or data it cannot read.
     """
     run = _setup(config, log)
     result = run_epochs(
