@@ -2,7 +2,6 @@
 a failure while running, 3 when `check`'s model raised; the traceback only under --debug."""
 
 import gzip
-import shutil
 import subprocess
 import sys
 
@@ -24,20 +23,23 @@ def run(argv, capsys):
     return code, capsys.readouterr().err
 
 
-@pytest.fixture
-def files(tmp_path):
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
     """A text file, an empty batch, a truncated and a corrupt copy of MNIST, a plain file."""
-    (tmp_path / "text.txt").write_text("not a tensor\n")
-    torch.save(torch.empty(0, 1, 28, 28), tmp_path / "empty.pt")
-    torch.save({"inputs": torch.randn(8, 5)}, tmp_path / "narrow.pt")
+    folder = tmp_path_factory.mktemp("files")
+    (folder / "text.txt").write_text("not a tensor\n")
+    torch.save(torch.empty(0, 1, 28, 28), folder / "empty.pt")
+    torch.save({"inputs": torch.randn(8, 5)}, folder / "narrow.pt")
+    labels = "train-labels-idx1-ubyte.gz"  # the smallest file the training set needs
     for name, damage in [("truncated", lambda b: b[: len(b) // 2]),
                          ("corrupt", lambda b: gzip.compress(gzip.decompress(b)[:-1] + b"\x01"))]:
-        folder = tmp_path / name
-        shutil.copytree(default_data_dir(), folder)
-        images = folder / "train-images-idx3-ubyte.gz"
-        images.write_bytes(damage(images.read_bytes()))
-    (tmp_path / "afile").write_text("")
-    return tmp_path
+        (folder / name).mkdir()
+        for original in default_data_dir().glob("*.gz"):
+            (folder / name / original.name).symlink_to(original)
+        (folder / name / labels).unlink()
+        (folder / name / labels).write_bytes(damage((default_data_dir() / labels).read_bytes()))
+    (folder / "afile").write_text("")
+    return folder
 
 
 BAD = [
