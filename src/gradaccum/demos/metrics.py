@@ -17,7 +17,20 @@ __all__ = ["MetricsWriter", "peak_rss_bytes", "plot_runs", "read_metrics", "writ
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    """The process's own peak resident memory so far.
+
+    On Linux this is ``VmHWM`` from ``/proc/self/status``, not ``getrusage``'s ``ru_maxrss``:
+    a process started by another one (``gradaccum compare`` starts one per setting) begins with
+    the starter's peak in ``ru_maxrss``, carried over by the kernel through ``exec``.
+    Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -208,16 +208,20 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     size = math.ceil(n / micro)
     resumed = run.position if run.position.epoch == epoch else Position(epoch)
     done_losses, samples = list(resumed.window_losses), list(resumed.window_samples)
-    # Window losses stay on the device until the epoch ends: no host sync per window.
-    losses: list[torch.Tensor] = []
+    # Window losses stay on the device until the epoch ends (no host sync per window), in one
+    # buffer written in place. Not a new small tensor kept per window: one would often land in
+    # the hole the window's freed gradients left in glibc's heap, so that the next gradients no
+    # longer fit there and grow the heap, window after window (1.2 GB in an epoch of 32 x 2).
+    losses = torch.empty(size + 1, dtype=torch.float64, device=run.device)
+    count = 0
     bar = tqdm(total=size, initial=resumed.micro_batch, desc=f"epoch {epoch}", leave=False,
                disable=not (cfg.progress and run.ranks.main), unit="mb", mininterval=0.5)
     write = bar.write if cfg.progress else run.log
     start = time.perf_counter()
 
     def here(i: int) -> Position:
-        return Position(epoch, i, done_losses + (torch.stack(losses).tolist() if losses else []),
-                        list(samples), resumed.epoch_seconds + time.perf_counter() - start)
+        return Position(epoch, i, done_losses + losses[:count].tolist(), list(samples),
+                        resumed.epoch_seconds + time.perf_counter() - start)
 
     for i in range(resumed.micro_batch, size):
         if signum := _stop_signal(run):
@@ -229,22 +233,25 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
             loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
         acc.backward(loss, n_items=len(idx) if run.weighted else None)
         if acc.micro_step == 0 and acc.window_loss is not None:  # a window was applied
-            losses.append(acc.window_loss)
+            losses[count] = acc.window_loss
+            count += 1
             samples.append(min(n, (i + 1) * micro) * world)
             if cfg.checkpoint_every and acc.windows - run.saved_windows >= cfg.checkpoint_every:
                 _checkpoint(run, here(i + 1))
         if i % cfg.log_every == 0:
-            shown = float(losses[-1]) if losses else done_losses[-1] if done_losses else float(loss.detach())
+            shown = (float(losses[count - 1]) if count else done_losses[-1] if done_losses
+                     else float(loss.detach()))
             write(f"loss: {shown:>7f}  [{i:>3d}/{size:>3d}]")
             bar.set_postfix(loss=f"{shown:.4f}", mem=f"{_peak_memory(run.device) / 2**20:.0f}MB",
                             refresh=False)
         bar.update(1)
     if cfg.end_of_epoch == "flush" and acc.flush() and acc.window_loss is not None:
-        losses.append(acc.window_loss)
+        losses[count] = acc.window_loss
+        count += 1
         samples.append(n * world)
     seconds = resumed.epoch_seconds + time.perf_counter() - start
     bar.close()
-    values = done_losses + (torch.stack(losses).tolist() if losses else [])
+    values = done_losses + losses[:count].tolist()
     run.writer.windows(epoch=epoch, samples=[(epoch - 1) * n * world + k for k in samples],
                        losses=values)
     return values, seconds
