@@ -90,9 +90,8 @@ class _Run:
 
     @property
     def anywhere(self) -> bool:
-        """May a checkpoint fall inside a window? On one process, where the accumulator's state
-        holds the whole partial window; not where each rank holds its own partial gradients, nor
-        under window BatchNorm, whose pending statistics no state_dict holds."""
+        """May a checkpoint fall inside a window? Not where each rank holds its own partial
+        gradients, nor under window BatchNorm, whose pending statistics no state_dict holds."""
         return self.ranks.world == 1 and self.config.bn != "window"
 
 
@@ -168,8 +167,8 @@ def _setup(config: TrainConfig, log: Log, resume: dict[str, Any] | None, stop: S
 
 
 def _stop_signal(run: _Run) -> int:
-    """The signal that asks the run to stop here, or 0. Several ranks agree on it at each
-    window's start (one small all-reduce per window), so that all of them stop at the same one."""
+    """The signal that asks the run to stop here, or 0; several ranks agree on it at each
+    window's start (one small all-reduce per window), to stop at the same one."""
     if run.stop is None or not (run.anywhere or run.acc.micro_step == 0):
         return 0
     if run.ranks.world == 1:
@@ -257,10 +256,6 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     return values, seconds
 
 
-def _quiet(line: str) -> None:
-    """Drop a line (ranks other than 0)."""
-
-
 def run_torch(config: TrainConfig, log: Log = print, *, resume: dict[str, Any] | None = None,
               stop: StopFlag | None = None) -> RunResult:
     """Run the seed experiment on PyTorch.
@@ -291,7 +286,7 @@ def run_torch(config: TrainConfig, log: Log = print, *, resume: dict[str, Any] |
         Interrupted: ``stop`` fired; the checkpoint is written (when ``config.out`` is set).
     """
     if not current_ranks().main:
-        log = _quiet  # rank 0 prints for all (window losses and the model agree on every rank)
+        log = lambda line: None  # noqa: E731 - rank 0 prints for all (they agree on every line)
     run = _setup(config, log, resume, stop)
     result = run_epochs(
         config, log, run.writer, train_epoch=lambda epoch: _train_epoch(run, epoch),
