@@ -73,7 +73,7 @@ def test_usage_errors_exit_2(capsys, tmp_path, monkeypatch):
         (["--model", "usernets:not_callable", "--input-shape", "5"], "not a callable"),
         (["--model", "no_such_module:f", "--input-shape", "5"], "no_such_module"),
         (["--model", "mlp", "--input-shape", "1,x"], "--input-shape"),
-        (["--model", "mlp", "--steps", "0"], "steps"),
+        (["--model", "mlp", "--sample", "missing.pt"], "no such file"),
     ]:
         assert main(["check", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -19,3 +19,16 @@ def test_info_prints_versions(capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_train_without_the_demo_extra_names_it_in_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from gradaccum.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tqdm" else real(name, *a))
+    assert main(["train", "--limit-train", "64", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'gradaccum[demo]'" in err and "Traceback" not in err

@@ -2,7 +2,8 @@
 
 Each command module exposes ``add_parser(subparsers)``, which registers its parser and sets
 ``func`` (called with the parsed arguments, returning the exit code). Command modules import
-their heavy parts inside ``func``, so building the parser stays cheap.
+their heavy parts inside ``func``, so building the parser stays cheap. Whatever a command
+raises becomes one line and an exit code in one place, :mod:`gradaccum.cli._errors`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from gradaccum.cli._errors import Parser, run_command
+
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-# name -> (module, one-line help). Modules are imported lazily.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("gradaccum.cli.train", "run the seed experiment (MNIST) through the Accumulator"),
-    "compare": ("gradaccum.cli.compare", "run the seed experiment at several micro x steps settings"),
-    "bench": ("gradaccum.cli.bench",
-              "benchmark against a hand-written loop, Accelerate and the seed's accumulator"),
-    "info": ("gradaccum.cli.info", "print versions, threads and devices"),
-    "check": ("gradaccum.cli.check", "is accumulation exact for a model? (full batch vs N micro-batches)"),
-    "plan": ("gradaccum.cli.plan", "predict memory per micro-batch; recommend micro-batch x steps"),
+# name -> module (each registers its own parser and help). Modules are imported lazily.
+COMMANDS: dict[str, str] = {
+    "train": "gradaccum.cli.train",
+    "compare": "gradaccum.cli.compare",
+    "bench": "gradaccum.cli.bench",
+    "info": "gradaccum.cli.info",
+    "check": "gradaccum.cli.check",
+    "plan": "gradaccum.cli.plan",
 }
 
 
@@ -30,15 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per command."""
     from gradaccum import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gradaccum",
-        description="Exact gradient accumulation: a large effective batch from small micro-batches.",
+        description="Exact gradient accumulation: a large effective batch from small micro-batches. "
+                    "Exit codes: 0 done, 1 failed, 2 bad usage, 3 (check) the model raised, "
+                    "130/143 interrupted (docs/CLI.md).",
     )
     parser.add_argument("--version", action="version", version=f"gradaccum {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also GRADACCUM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(COMMANDS[name][0])
+        module = importlib.import_module(COMMANDS[name])
         module.add_parser(sub)
+        # SUPPRESS: a command's parser leaves the top-level --debug alone unless given itself.
+        sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                       help="show the traceback of an error (also GRADACCUM_DEBUG=1)")
     return parser
 
 
@@ -49,9 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["info"])  # doctest: +SKIP
         0
     """
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("gradaccum: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+    except SystemExit as done:  # --help, --version, or a usage error already printed in one line
+        return done.code if isinstance(done.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    args.argv = argv
+    return run_command(f"gradaccum {args.command}", args.func, args)

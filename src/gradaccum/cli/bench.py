@@ -6,6 +6,8 @@ import argparse
 import shlex
 from pathlib import Path
 
+from gradaccum.cli._options import check_device, positive_int, writable_dir
+
 __all__ = ["add_parser"]
 
 
@@ -24,8 +26,8 @@ def _command(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.bench.run import run_bench
 
-    if args.threads is not None and args.threads < 1:
-        args.parser.error(f"--threads must be >= 1, got {args.threads}")
+    check_device(args.device)
+    writable_dir(args.out)
     path = run_bench(args.out, smoke=args.smoke, device=args.device, threads=args.threads,
                      malloc_compare=args.malloc_compare, command=_command(args))
     print(f"Wrote {path}")
@@ -44,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="folder for BENCHMARKS.md and the figures (default: docs)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves it runs, in seconds")
     p.add_argument("--device", default="cpu", help="cpu or cuda (exactness always runs on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--malloc-compare", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the memory sweep with MALLOC_MMAP_MAX_=0 and a large "
                         "MALLOC_TRIM_THRESHOLD_, in a child process (CPU; default: on)")
-    p.set_defaults(func=_run, parser=p)
+    p.set_defaults(func=_run)

@@ -1,16 +1,21 @@
 """``gradaccum check``: is accumulation exactly equivalent to the full batch for this model?
 
-Exit code 0 when it is (within the tolerance), 1 when it is not, 2 on a usage error.
+Exit code 0 when it is (within the tolerance), 1 when it is not, 2 on a usage error, 3 when the
+model itself raised (its factory, forward or backward: e.g. an ``--input-shape`` it cannot take).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from gradaccum.cli._errors import ModelError, UsageError, model_raised, one_line
+from gradaccum.cli._options import check_device, finite_float, nonneg_int, positive_int
 
 __all__ = ["add_parser", "load_factory", "parse_shape"]
 
@@ -77,24 +82,56 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tuple[Any, Any]:
-    """The sample (a batch or an input shape) and the targets (or None)."""
+def _load_sample(path: str) -> tuple[Any, Any]:
+    """``--sample``: a non-empty tensor, tuple of tensors, or ``{'inputs': ..., 'targets': ...}``.
+
+    Raises:
+        UsageError: the file is missing, not a ``torch.save`` file, or holds no items.
+    """
     import torch
 
+    try:
+        loaded = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise UsageError(f"--sample {path}: no such file") from None
+    except Exception as err:  # a text file, a truncated file...: all one usage error
+        raise UsageError(f"--sample {path} is not a torch.save file "
+                         f"({type(err).__name__}: {one_line(err)})") from None
+    inputs, targets = loaded, None
+    if isinstance(loaded, dict):
+        inputs, targets = loaded.get("inputs"), loaded.get("targets")
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+    if not (isinstance(tensors, (tuple, list)) and tensors
+            and all(isinstance(t, torch.Tensor) for t in tensors)):
+        raise UsageError(f"--sample {path} holds {type(loaded).__name__}, not a tensor, a tuple of "
+                         "tensors or {'inputs': ..., 'targets': ...}")
+    if any(t.dim() == 0 or t.shape[0] == 0 or t.numel() == 0 for t in tensors):
+        raise UsageError(f"--sample {path} is empty: its inputs have shapes "
+                         f"{[tuple(t.shape) for t in tensors]}, with no items to check")
+    return inputs, targets
+
+
+def _sample(args: argparse.Namespace, demo_shape: tuple[int, ...] | None) -> tuple[Any, Any]:
+    """The sample (a batch or an input shape) and the targets (or None)."""
     if args.sample is not None:
         if args.vocab is not None:
-            raise ValueError("--vocab draws token ids for --input-shape; a --sample holds its own")
-        loaded = torch.load(args.sample, weights_only=True)
-        if isinstance(loaded, dict):
-            return loaded["inputs"], loaded.get("targets")
-        return loaded, None
+            raise UsageError("--vocab draws token ids for --input-shape; a --sample holds its own")
+        return _load_sample(args.sample)
     if args.input_shape is not None:
         return parse_shape(args.input_shape), None
     if args.vocab is not None:
-        raise ValueError("--vocab draws token ids of --input-shape: give --input-shape too")
+        raise UsageError("--vocab draws token ids of --input-shape: give --input-shape too")
     if demo_shape is None:
         raise ValueError("give --input-shape or --sample for a model that is not a demo model")
     return demo_shape, None
+
+
+def _defining_file(factory: Callable[[], Any]) -> set[str]:
+    """The file that defines a factory (its code raising is the model raising)."""
+    try:
+        return {inspect.getfile(factory)}
+    except TypeError:
+        return set()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -102,17 +139,29 @@ def _run(args: argparse.Namespace) -> int:
 
     from gradaccum.torch.check.checker import check_equivalence
 
+    check_device(args.device)
     try:
         factory, demo_shape = load_factory(args.model)
         sample, targets = _sample(args, demo_shape)
+    except (ValueError, TypeError, ImportError) as err:
+        raise UsageError(one_line(err)) from None
+    except UsageError:
+        raise
+    except Exception as err:  # the user's module raised while it was imported
+        raise ModelError(f"importing --model {args.model} raised {type(err).__name__}: "
+                         f"{one_line(err)}") from err
+    try:
         report = check_equivalence(
             factory, sample, args.steps, micro_batch=args.micro_batch, targets=targets,
             loss=args.loss, dtype=getattr(torch, args.dtype), atol=args.atol, rtol=args.rtol,
             seed=args.seed, device=args.device, label=args.model, vocab=args.vocab,
         )
-    except (ValueError, TypeError, ImportError, KeyError, OSError) as err:
-        print(f"gradaccum check: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        if model_raised(err, _defining_file(factory)):
+            raise ModelError(f"the model raised {type(err).__name__}: {one_line(err)}") from err
+        if isinstance(err, (ValueError, TypeError)):
+            raise UsageError(one_line(err)) from err
+        raise
     print(report)
     return 0 if report.equivalent else 1
 
@@ -124,18 +173,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Run one SGD step on a full batch and on N micro-batches from the same weights "
                     "and RNG state; compare every parameter and buffer; name the modules that "
                     "break equivalence and the gradaccum fix. Exit code 0: equivalent, 1: not, "
-                    "2: usage error.")
+                    "2: usage error, 3: the model itself raised.")
     p.add_argument("--model", required=True,
                    help="a demo model (mlp, cnn, cnn-bn, bench-cnn) or an importable module:factory")
     p.add_argument("--input-shape", help="one sample's shape, e.g. 1,28,28 (random normal inputs; "
                                          "token ids with --vocab)")
-    p.add_argument("--vocab", type=int,
+    p.add_argument("--vocab", type=positive_int,
                    help="with --input-shape: draw int64 token ids in [0, VOCAB) (a token model)")
     p.add_argument("--sample", help="a torch.save'd batch: a tensor, a tuple of tensors, or "
                                     "{'inputs': ..., 'targets': ...} (token ids and labels for a "
                                     "language model)")
-    p.add_argument("--steps", type=int, default=4, help="micro-batches per window, N (default 4)")
-    p.add_argument("--micro-batch", type=int, default=8,
+    p.add_argument("--steps", type=positive_int, default=4,
+                   help="micro-batches per window, N (default 4)")
+    p.add_argument("--micro-batch", type=positive_int, default=8,
                    help="samples per micro-batch with --input-shape (default 8)")
     p.add_argument("--loss", choices=LOSSES, default="mse",
                    help="mse, cross-entropy (classes on dimension 1) or token-cross-entropy (a "
@@ -144,9 +194,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(default mse)")
     p.add_argument("--dtype", choices=DTYPES, default="float64",
                    help="run in this dtype (default float64: differences stand far above rounding)")
-    p.add_argument("--atol", type=float, help="absolute tolerance (default 1e-12 float64, 1e-6 float32)")
-    p.add_argument("--rtol", type=float,
+    p.add_argument("--atol", type=finite_float,
+                   help="absolute tolerance (default 1e-12 float64, 1e-6 float32)")
+    p.add_argument("--rtol", type=finite_float,
                    help="tolerance relative to the largest update (default 1e-9 float64, 1e-4 float32)")
-    p.add_argument("--seed", type=int, default=0, help="weights, inputs and RNG state (default 0)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="weights, inputs and RNG state (default 0)")
     p.add_argument("--device", default="cpu", help="where to run (default cpu)")
     p.set_defaults(func=_run)

@@ -3,19 +3,27 @@
 Each setting runs in its own process (``gradaccum train``), with the same seed and data order, so
 its time and peak memory are its own. The table shows accuracy and average test loss per epoch,
 the largest parameter difference against the first setting, time and peak memory; a PNG overlays
-the curves.
+the curves. The output folder is compare's own: a new compare replaces what an earlier one wrote.
+Ctrl-C (or SIGTERM) is passed on to the running setting, which writes its checkpoint and stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from gradaccum.cli._errors import CommandError, UsageError
+from gradaccum.cli._options import check_device, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
+from gradaccum.demos.interrupt import SIGNALS, Interrupted
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
@@ -97,17 +105,68 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _run_child(cmd: list[str], label: str, run_dir: Path) -> int:
+    """Run one setting's ``gradaccum train``; pass SIGINT and SIGTERM on to it, once.
+
+    The child has a session of its own, so Ctrl-C in a terminal reaches it only through this
+    process (once, not twice), and it can write its checkpoint before it stops.
+
+    Raises:
+        Interrupted: a signal arrived; the child has stopped.
+    """
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS} if main else {}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # an error here: leave no setting running on its own
+            proc.kill()
+            proc.wait()
+    if received:
+        saved = run_dir / "checkpoint.pt"
+        note = f"; its checkpoint is {saved}" if saved.is_file() else ""
+        raise Interrupted(received[0], message=f"interrupted by {signal.Signals(received[0]).name} "
+                                               f"during the {label} run (exit {code}){note}")
+    return code
+
+
+def _clear_previous(out: Path) -> None:
+    """Remove what an earlier compare wrote into its own folder, so that no table outlives the
+    runs it describes (each setting's folder is replaced by its run, with --overwrite)."""
+    for name in ("compare.json", "compare.md", "compare.png"):
+        (out / name).unlink(missing_ok=True)
+
+
 def _run(args: argparse.Namespace) -> int:
+    from gradaccum.demos.extras import MissingExtraError, require_demo_extra
     from gradaccum.demos.metrics import plot_runs, read_metrics
+    from gradaccum.demos.outputs import atomic_write
+
+    try:
+        require_demo_extra()
+    except MissingExtraError as err:
+        raise UsageError(str(err)) from None
 
     try:
         settings = parse_settings(args.settings)
         backends = [args.backend] if args.backends is None else parse_backends(args.backends)
-        if args.backends is not None and args.backend != "torch":
-            raise ValueError("give --backend or --backends, not both")
     except ValueError as err:
-        args.parser.error(str(err))
-    out: Path = args.out
+        raise UsageError(str(err)) from None
+    if args.backends is not None and args.backend != "torch":
+        raise UsageError("give --backend or --backends, not both")
+    check_device(args.device)
+    out: Path = writable_dir(args.out)
+    _clear_previous(out)
     rows: list[dict[str, Any]] = []
     for (micro, steps), backend in ((s, b) for s in settings for b in backends):
         # One backend keeps the plain labels; several are told apart by a suffix.
@@ -115,12 +174,14 @@ def _run(args: argparse.Namespace) -> int:
         run_dir = out / label
         print(f"\n=== {label}: micro-batch {micro} x steps {steps} ({backend}) ===", flush=True)
         cmd = [sys.executable, "-m", "gradaccum", "train", "--micro-batch", str(micro),
-               "--steps", str(steps), "--out", str(run_dir),
+               "--steps", str(steps), "--out", str(run_dir), "--overwrite",
                *_experiment_argv(args, args.experiment_actions),
-               *(["--backend", backend] if args.backends is not None else [])]
-        if subprocess.run(cmd, check=False).returncode != 0:
-            print(f"gradaccum compare: the {label} run failed", file=sys.stderr)
-            return 1
+               *(["--backend", backend] if args.backends is not None else []),
+               *(["--debug"] if getattr(args, "debug", False) else [])]
+        code = _run_child(cmd, label, run_dir)
+        if code != 0:
+            # The run printed its own error line; a usage error stays one (exit 2).
+            raise (UsageError if code == 2 else CommandError)(f"the {label} run failed (exit {code})")
         summary = json.loads((run_dir / "summary.json").read_text())
         rows.append({"setting": label, "epochs": summary["epochs"], "seconds": summary["seconds"],
                      "peak_memory_bytes": max(e["peak_memory_bytes"] for e in summary["epochs"]),
@@ -129,8 +190,8 @@ def _run(args: argparse.Namespace) -> int:
                                                        run_dir / "params.npz")})
     table = format_table(rows)
     print("\n" + table)
-    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "compare.md").write_text(table + "\n")
+    atomic_write(out / "compare.json", lambda tmp: tmp.write_text(json.dumps(rows, indent=2) + "\n"))
+    atomic_write(out / "compare.md", lambda tmp: tmp.write_text(table + "\n"))
     png = plot_runs([(r["setting"], read_metrics(out / r["setting"] / "metrics.jsonl")) for r in rows],
                     out / "compare.png", title=f"gradaccum compare: {args.model}, same seed and data order")
     print(f"\nTable: {out / 'compare.md'}   plot: {png}")
@@ -145,9 +206,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help=f"comma-separated MICROxSTEPS (default {DEFAULT_SETTINGS})")
     p.add_argument("--out", type=Path, default=Path("runs/compare"),
-                   help="folder for each run's outputs, compare.md/json and compare.png")
+                   help="folder for each run's outputs, compare.md/json and compare.png "
+                        "(compare's own: a new compare replaces them)")
     p.add_argument("--backends", default=None, metavar="B1,B2",
                    help="run every setting on each backend, side by side (torch,mindspore); "
                         "the parameter difference then compares the backends too")
     actions = add_experiment_arguments(p)
-    p.set_defaults(func=_run, parser=p, experiment_actions=actions)
+    p.set_defaults(func=_run, experiment_actions=actions)

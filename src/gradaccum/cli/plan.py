@@ -8,24 +8,16 @@ measures the real peak at a micro-batch the probes did not use and prints both n
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
+
+from gradaccum.cli._errors import UsageError, model_raised, one_line
+from gradaccum.cli._options import check_device, nonneg_int, positive_int
 
 __all__ = ["add_parser", "load_model"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RECOMMENDED = 0  # --check without a size: check the recommendation
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or str(value) != text.strip():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
@@ -100,7 +92,8 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     shape = default_shape if args.input_shape is None else parse_shape(args.input_shape)
     if shape is None:
         raise ValueError(f"--input-shape is required for model {args.model!r}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(check_device(args.device) if args.device else
+                          "cuda" if torch.cuda.is_available() else "cpu")
     if budget is None and device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[1])
     if args.check == RECOMMENDED and not (args.global_batch and budget):
@@ -138,18 +131,22 @@ def _run(args: argparse.Namespace) -> int:
     try:
         model, shape, device, budget = _setup(args)
     except (ValueError, TypeError, ImportError) as error:
-        print(f"gradaccum plan: error: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(one_line(error)) from None
     optimizer = _optimizer(args.optimizer, model.parameters())
-    est = estimate_memory(model, optimizer, shape, tuple(args.probe))
+    try:
+        est = estimate_memory(model, optimizer, shape, tuple(args.probe))
+    except Exception as error:
+        if model_raised(error, set()):  # the input shape does not fit the model
+            raise UsageError(f"--model {args.model} raised {type(error).__name__} on input shape "
+                             f"{'x'.join(map(str, shape))}: {one_line(error)}") from error
+        raise
     _report(args, est, model, shape, device, budget)
     check = None if args.check in (None, RECOMMENDED) else (args.check, args.check_steps)
     if args.global_batch and budget:
         try:
             micro, steps = est.recommend(args.global_batch, budget)
         except ValueError as error:
-            print(f"gradaccum plan: error: {error}", file=sys.stderr)
-            return 2
+            raise UsageError(one_line(error)) from None
         print(f"recommended for global batch {args.global_batch} under {format_bytes(budget)}: "
               f"micro-batch {micro} x {steps} steps (predicted peak {format_bytes(est.peak(micro))})")
         check = (micro, steps) if args.check == RECOMMENDED else check
@@ -169,16 +166,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the parameters' dtype")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--probe", type=_positive_int, nargs=2, default=[4, 8], metavar=("M1", "M2"),
+    p.add_argument("--probe", type=positive_int, nargs=2, default=[4, 8], metavar=("M1", "M2"),
                    help="the two probe micro-batch sizes (default 4 8)")
-    p.add_argument("--global-batch", type=_positive_int, default=None,
+    p.add_argument("--global-batch", type=positive_int, default=None,
                    help="the batch to reach (micro-batch x steps) for a recommendation")
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 512MiB or 2GB (default on CUDA: the device's memory)")
-    p.add_argument("--check", type=_positive_int, nargs="?", const=RECOMMENDED, default=None,
+    p.add_argument("--check", type=positive_int, nargs="?", const=RECOMMENDED, default=None,
                    metavar="M", help="also measure the real peak, at the recommended micro-batch x "
                    "steps (or at micro-batch M), and print it beside the prediction")
-    p.add_argument("--check-steps", type=_positive_int, default=4,
+    p.add_argument("--check-steps", type=positive_int, default=4,
                    help="micro-batches in a --check M window (default 4)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.set_defaults(func=_run)

@@ -1,19 +1,28 @@
-"""``gradaccum train``: the seed experiment (MNIST, MLP 784-512-512-10, 32 x 2 steps, 3 epochs)."""
+"""``gradaccum train``: the seed experiment (MNIST, MLP 784-512-512-10, 32 x 2 steps, 3 epochs).
+
+Long runs: ``--checkpoint-every N`` writes ``OUT/checkpoint.pt`` every N optimizer steps,
+Ctrl-C or SIGTERM writes one and exits 130 or 143, and ``--resume`` continues from it,
+bitwise equal to a run never stopped (see :mod:`gradaccum.demos.checkpoint`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gradaccum.core import check_positive_int, lr_scale, parse_schedule, resolve_batch_sizes
+from gradaccum.cli._errors import UsageError
+from gradaccum.cli._options import check_device, nonneg_int, positive_float, positive_int, writable_dir
+from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
-
-if TYPE_CHECKING:
-    from gradaccum.demos.distributed import Ranks
+from gradaccum.demos.distributed import Ranks
+from gradaccum.demos.interrupt import Interrupted, StopFlag
+from gradaccum.demos.outputs import CHECKPOINT, clear_run, run_files_in
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -38,19 +47,19 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
              "(running stats of the whole batch), groupnorm (see docs/BATCHNORM.md)")
     add("--init", default="torch", choices=["torch", "mindspore"],
         help="mindspore: N(0, 0.01) linear weights and zero bias, the tutorial's defaults")
-    add("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    add("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     add("--lr-rule", default="none", choices=["none", "linear", "sqrt"],
         help="scale --lr from --base-batch to the effective batch (gradaccum.lr_scale)")
-    add("--base-batch", type=int, default=64, help="the batch --lr was tuned for")
+    add("--base-batch", type=positive_int, default=64, help="the batch --lr was tuned for")
     add("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
-    add("--epochs", type=int, default=3)
-    add("--seed", type=int, default=0, help="weights and data order")
+    add("--epochs", type=positive_int, default=3)
+    add("--seed", type=nonneg_int, default=0, help="weights and data order")
     add("--end-of-epoch", default="flush", choices=["flush", "carry"],
         help="flush the partial window, or carry it into the next epoch")
     add("--data-dir", type=Path, default=None,
         help="a folder with the four MNIST .gz files (default: the shipped copy)")
-    add("--limit-train", type=int, default=None, help="use the first N training items")
-    add("--limit-test", type=int, default=None, help="use the first N test items")
+    add("--limit-train", type=positive_int, default=None, help="use the first N training items")
+    add("--limit-test", type=positive_int, default=None, help="use the first N test items")
     add("--precision", default="fp32", choices=["fp32", "bf16"],
         help="bf16: forward under torch.autocast(bfloat16), float32 parameters; windows with a "
              "non-finite gradient are skipped and counted (skipped_windows)")
@@ -58,7 +67,7 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
         help="mindspore: the same run through gradaccum.mindspore inside @ms.jit (CPU, fp32; "
              "needs pip install 'gradaccum[mindspore]')")
     add("--device", default="cpu", help="cpu, cuda, cuda:1 (torch backend)")
-    add("--log-every", type=int, default=100, help="print a loss line every N micro-batches")
+    add("--log-every", type=positive_int, default=100, help="print a loss line every N micro-batches")
     add("--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: when stderr is a terminal)")
     return actions
@@ -67,11 +76,15 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
 def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | str,
                      out: Path | None, world: int = 1) -> TrainConfig:
     """Build a :class:`TrainConfig` from parsed experiment options and a batch split (``steps``:
-    an int, or a schedule string such as ``"0:4,2:2"``; ``world``: ranks under torchrun)."""
+    an int, or a schedule string such as ``"0:4,2:2"``; ``world``: ranks under torchrun).
+
+    Raises:
+        UsageError: ``--lr-rule`` with a schedule.
+    """
     lr = args.lr
     if args.lr_rule != "none":
         if isinstance(steps, str):
-            raise ValueError("--lr-rule scales to one effective batch: it needs a constant --steps, "
+            raise UsageError("--lr-rule scales to one effective batch: it needs a constant --steps, "
                              f"not the schedule {steps!r}")
         lr = lr_scale(args.lr, args.base_batch, micro_batch * steps * world, rule=args.lr_rule)
     return TrainConfig(
@@ -80,21 +93,35 @@ def config_from_args(args: argparse.Namespace, micro_batch: int, steps: int | st
         data_dir=args.data_dir, limit_train=args.limit_train, limit_test=args.limit_test,
         precision=args.precision, backend=args.backend, device=args.device,
         log_every=args.log_every,
-        progress=sys.stderr.isatty() if args.progress is None else args.progress, out=out)
+        progress=sys.stderr.isatty() if args.progress is None else args.progress, out=out,
+        checkpoint_every=getattr(args, "checkpoint_every", None))
 
 
-def run_config(config: TrainConfig) -> RunResult:
-    """Run one experiment on its backend, and write its summary and plot into ``config.out``."""
+def run_config(config: TrainConfig, *, resume: dict[str, Any] | None = None,
+               stop: StopFlag | None = None, write: bool = True) -> RunResult:
+    """Run one experiment on its backend; write its final files into ``config.out`` (atomically)
+    and drop its checkpoint, which a finished run no longer needs.
+
+    Args:
+        config: the settings.
+        resume: a checked checkpoint to continue from (torch backend).
+        stop: the flag a signal sets; the run then checkpoints and raises ``Interrupted``.
+        write: write the final files (False on ranks other than 0).
+    """
     if config.backend == "mindspore":
-        from gradaccum.demos.mindspore_trainer import run_mindspore
-
+        try:
+            from gradaccum.demos.mindspore_trainer import run_mindspore
+        except ImportError as err:
+            raise UsageError(f"--backend mindspore needs MindSpore ({err}): "
+                             "pip install 'gradaccum[mindspore]'") from None
         result = run_mindspore(config)
     else:
         from gradaccum.demos.trainer import run_torch
 
-        result = run_torch(config)
-    if config.out is not None:
+        result = run_torch(config, resume=resume, stop=stop)
+    if config.out is not None and write:
         _write_outputs(result, config.out)
+        (config.out / CHECKPOINT).unlink(missing_ok=True)
     return result
 
 
@@ -102,60 +129,27 @@ def _write_outputs(result: RunResult, out: Path) -> None:
     import numpy as np
 
     from gradaccum.demos.metrics import plot_runs, read_metrics, write_summary
+    from gradaccum.demos.outputs import atomic_write
 
     write_summary(result, out)
-    np.savez(out / "params.npz", *result.final_params)
+    atomic_write(out / "params.npz", lambda tmp: np.savez(tmp, *result.final_params))
     plot_runs([(result.config.label, read_metrics(out / "metrics.jsonl"))], out / "curves.png",
               title=f"gradaccum train: {result.config.model}, {result.config.label}")
 
 
-def _scheduled(args: argparse.Namespace) -> tuple[int, str]:
-    """The batch split under ``--steps-schedule``: the micro-batch and the schedule string."""
-    if args.steps is not None or args.global_batch is not None:
-        raise ValueError("--steps-schedule replaces --steps and --global-batch")
-    parse_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
-    micro = SEED_MICRO_BATCH if args.micro_batch is None else args.micro_batch
-    return check_positive_int("micro_batch", micro), args.steps_schedule
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.backend == "mindspore":
-        from gradaccum.demos.mindspore_trainer import init_msrun
-
-        return _as_rank(args, init_msrun())  # every worker under msrun, else one process
-    from gradaccum.demos.distributed import init_from_env
-
-    ranks = init_from_env(args.device)  # several ranks under torchrun, else one process
-    if ranks.world == 1:
-        return _run_ranks(args, 1)
-    import torch.distributed as dist
-
-    try:
-        return _as_rank(args, ranks)
-    finally:
-        dist.destroy_process_group()
-
-
-def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
-    """Run on this rank: rank 0 prints and writes for every rank, the others run quietly."""
-    if ranks.main:
-        return _run_ranks(args, ranks.world)
-    args.out = None
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        return _run_ranks(args, ranks.world)
-
-
-def _run_ranks(args: argparse.Namespace, world: int) -> int:
+def _config(args: argparse.Namespace, world: int) -> tuple[TrainConfig, str]:
+    """The run's settings and its header's batch description, from the batch options."""
     if args.steps_schedule is not None:
+        if args.steps is not None or args.global_batch is not None:
+            raise UsageError("--steps-schedule replaces --steps and --global-batch")
         try:
-            micro, schedule = _scheduled(args)
-            config = config_from_args(args, micro, schedule, args.out, world=world)
-        except (TypeError, ValueError) as err:
-            args.parser.error(str(err))
-        print(f"gradaccum train: {config.model}, micro-batch {micro} x steps scheduled {schedule} "
-              f"(start:N, by optimizer step), lr {config.lr:g}, {config.optimizer}, "
-              f"{config.epochs} epoch(s)")
-        return _report(run_config(config), config)
+            parse_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        micro = SEED_MICRO_BATCH if args.micro_batch is None else args.micro_batch
+        config = config_from_args(args, micro, args.steps_schedule, args.out, world=world)
+        return config, (f"micro-batch {micro} x steps scheduled {args.steps_schedule} "
+                        "(start:N, by optimizer step)")
     micro, steps, global_batch = args.micro_batch, args.steps, args.global_batch
     if global_batch is None:
         micro = SEED_MICRO_BATCH if micro is None else micro
@@ -164,16 +158,110 @@ def _run_ranks(args: argparse.Namespace, world: int) -> int:
         micro = SEED_MICRO_BATCH
     try:
         micro, steps = resolve_batch_sizes(micro, steps, global_batch, world_size=world)
-        config = config_from_args(args, micro, steps, args.out, world=world)
     except (TypeError, ValueError) as err:
-        args.parser.error(str(err))
+        raise UsageError(str(err)) from None
     ranks = f" x {world} ranks" if world > 1 else ""
-    print(f"gradaccum train: {config.model}, micro-batch {micro} x steps {steps}{ranks} = batch "
-          f"{micro * steps * world}, lr {config.lr:g}, {config.optimizer}, {config.epochs} epoch(s)")
-    return _report(run_config(config), config)
+    return (config_from_args(args, micro, steps, args.out, world=world),
+            f"micro-batch {micro} x steps {steps}{ranks} = batch {micro * steps * world}")
 
 
-def _report(result: RunResult, config: TrainConfig) -> int:
+def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> dict[str, Any] | None:
+    """Check ``--out`` against ``--resume`` and ``--overwrite``; the checkpoint to resume, if any.
+
+    One folder holds one run: a new run refuses a folder with another run's files unless told
+    to replace them; ``--resume`` continues the run there with the same settings.
+    """
+    from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
+
+    out = args.out
+    if out is None:
+        for flag, given in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every)):
+            if given:
+                raise UsageError(f"{flag} needs --out, the run's folder")
+        return None
+    if args.resume:
+        state = load_checkpoint(out)
+        check_resumable(state, config, ranks.world)
+        writable_dir(out)
+        if config.checkpoint_every is None:  # keep the run's own rhythm unless told otherwise
+            config.checkpoint_every = state["config"].get("checkpoint_every")
+        return state
+    writable_dir(out)
+    held = run_files_in(out)
+    if held and not args.overwrite:
+        raise UsageError(f"--out {out} holds another run ({', '.join(held)}): give --resume to "
+                         "continue it or --overwrite to replace it")
+    if ranks.world > 1 and config.backend == "torch":
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank has looked before rank 0 removes anything
+    if held and ranks.main:
+        clear_run(out)
+    return None
+
+
+def _resume_line(args: argparse.Namespace, stop: Interrupted, world: int) -> str:
+    name = signal.Signals(stop.signum).name
+    if stop.checkpoint is None:
+        return f"interrupted by {name} {stop}; nothing saved (no --out)"
+    if world > 1:
+        how = "the same torchrun command with --resume"
+    else:
+        words = [w for w in args.argv if w != "--overwrite"]
+        how = shlex.join(["gradaccum", *words, *([] if "--resume" in words else ["--resume"])])
+    return f"interrupted by {name} {stop}; checkpoint written to {stop.checkpoint}; resume with: {how}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gradaccum.demos.distributed import init_from_env
+    from gradaccum.demos.extras import MissingExtraError, require_demo_extra
+
+    try:
+        require_demo_extra()
+    except MissingExtraError as err:
+        raise UsageError(str(err)) from None
+    check_device(args.device)
+    if args.backend == "mindspore":
+        if args.resume or args.checkpoint_every:
+            raise UsageError("--backend mindspore does not write checkpoints: drop --checkpoint-every "
+                             "and --resume (or train with --backend torch)")
+        from gradaccum.demos.mindspore_trainer import init_msrun
+
+        ranks = init_msrun()  # every worker under msrun, else one process
+        if not ranks.main:
+            args.out = None  # rank 0 writes for every rank
+        return _as_rank(args, ranks)
+    ranks = init_from_env(args.device)  # several ranks under torchrun, else one process
+    if ranks.world == 1:
+        return _run_ranks(args, ranks)
+    import torch.distributed as dist
+
+    try:
+        code = _as_rank(args, ranks)
+        dist.barrier()  # no rank tears the group down while another still talks through it
+        return code
+    finally:
+        dist.destroy_process_group()
+
+
+def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
+    """Run on this rank: rank 0 prints and writes for every rank, the others run quietly."""
+    if ranks.main:
+        return _run_ranks(args, ranks)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return _run_ranks(args, ranks)
+
+
+def _run_ranks(args: argparse.Namespace, ranks: Ranks) -> int:
+    config, batch = _config(args, ranks.world)
+    resume = _prepare_out(args, config, ranks)
+    print(f"gradaccum train: {config.model}, {batch}, lr {config.lr:g}, {config.optimizer}, "
+          f"{config.epochs} epoch(s)" + (f", resuming the run in {config.out}" if resume else ""))
+    with StopFlag() as stop:
+        try:
+            result = run_config(config, resume=resume, stop=stop, write=ranks.main)
+        except Interrupted as err:
+            raise Interrupted(err.signum, err.checkpoint, _resume_line(args, err, ranks.world)) from None
     last = result.epochs[-1] if result.epochs else None
     if last is not None:
         print(f"Done: {last.test_accuracy:.1f}% after {last.epoch} epoch(s), "
@@ -191,14 +279,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                    "rank trains its DistributedSampler share through DDP, and "
                                    "--global-batch counts every rank's items; --backend mindspore "
                                    "does the same under msrun (msrun --worker_num 2 "
-                                   "--local_worker_num 2 ... python -m gradaccum train ...).")
-    p.add_argument("--micro-batch", type=int, default=None, help="items per micro-batch (default 32)")
-    p.add_argument("--steps", type=int, default=None, help="micro-batches per window (default 2)")
-    p.add_argument("--global-batch", type=int, default=None, help="micro-batch x steps")
+                                   "--local_worker_num 2 ... python -m gradaccum train ...). Ctrl-C (or "
+                                   "SIGTERM) writes a checkpoint into --out and exits 130 (143); "
+                                   "--resume continues it.")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="items per micro-batch (default 32)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="micro-batches per window (default 2)")
+    p.add_argument("--global-batch", type=positive_int, default=None, help="micro-batch x steps")
     p.add_argument("--steps-schedule", default=None, metavar="START:N,...",
                    help="change --steps during training, at window boundaries: '0:4,2:2' is 4 "
                         "micro-batches per window for the first 2 optimizer steps, then 2")
     add_experiment_arguments(p)
     p.add_argument("--out", type=Path, default=None,
-        help="write metrics.jsonl, summary.json, params.npz and curves.png here")
-    p.set_defaults(func=_run, parser=p)
+        help="write metrics.jsonl, summary.json, params.npz and curves.png here (one run per "
+             "folder)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                   help="write OUT/checkpoint.pt every N optimizer steps (torch backend)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its checkpoint; give the run's own arguments")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run files already in --out (without it, such a folder is refused)")
+    p.set_defaults(func=_run)

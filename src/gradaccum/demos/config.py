@@ -6,11 +6,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["BN_MODES", "EpochResult", "RunResult", "TrainConfig"]
+__all__ = ["BN_MODES", "ConfigError", "EpochResult", "RunResult", "TrainConfig"]
 
 # How a model's BatchNorm layers are treated under accumulation (``gradaccum train --bn``); see
 # :func:`gradaccum.demos.models.apply_bn_mode`.
 BN_MODES = ("plain", "compound", "linear", "window", "groupnorm")
+
+
+class ConfigError(ValueError):
+    """Settings or inputs a run cannot start with (missing or corrupt data, a checkpoint that does
+    not fit): raised before anything trains. The command line reports it as bad usage (exit 2).
+
+    Example:
+        >>> isinstance(ConfigError("--data-dir: no MNIST files"), ValueError)
+        True
+    """
 
 
 @dataclass
@@ -38,7 +48,9 @@ class TrainConfig:
         device: where the torch backend trains (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         log_every: print the seed's ``loss: x  [i/size]`` line every this many micro-batches.
         progress: show a progress bar.
-        out: a folder for ``metrics.jsonl``, ``summary.json`` and ``curves.png``.
+        out: a folder for ``metrics.jsonl``, ``summary.json``, ``params.npz`` and ``curves.png``.
+        checkpoint_every: write ``out/checkpoint.pt`` every this many optimizer steps (torch
+            backend; ``None``: only when interrupted). See :mod:`gradaccum.demos.checkpoint`.
     """
 
     model: str = "mlp"
@@ -60,6 +72,7 @@ class TrainConfig:
     log_every: int = 100
     progress: bool = True
     out: Path | None = None
+    checkpoint_every: int | None = None
 
     @property
     def label(self) -> str:

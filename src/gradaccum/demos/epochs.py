@@ -21,6 +21,7 @@ def run_epochs(
     counters: Callable[[], tuple[int, int]],
     peak_memory: Callable[[], int],
     train_items: int,
+    result: RunResult | None = None,
 ) -> RunResult:
     """Run ``config.epochs`` epochs with the seed's lines, one :class:`EpochResult` each.
 
@@ -33,14 +34,16 @@ def run_epochs(
         counters: ``() -> (optimizer steps, skipped windows)`` so far.
         peak_memory: ``() -> bytes``.
         train_items: items in one epoch (for samples/s).
+        result: a resumed run's results so far (its finished epochs and seconds): the loop
+            continues with the next epoch, and ``train_epoch`` with its position in it.
 
     Returns:
         The run's results (without the final parameters, which the backend adds).
     """
-    result = RunResult(config)
+    result = RunResult(config) if result is None else result
     start = time.perf_counter()
     try:
-        for epoch in range(1, config.epochs + 1):
+        for epoch in range(len(result.epochs) + 1, config.epochs + 1):
             log(f"Epoch {epoch}\n-------------------------------")
             window_losses, seconds = train_epoch(epoch)
             accuracy, test_loss = evaluate()
@@ -55,5 +58,5 @@ def run_epochs(
             writer.epoch(epoch_result)
     finally:
         writer.close()
-    result.seconds = time.perf_counter() - start
+    result.seconds += time.perf_counter() - start
     return result

@@ -11,12 +11,26 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gradaccum.demos.config import EpochResult, RunResult
+from gradaccum.demos.outputs import atomic_write
 
 __all__ = ["MetricsWriter", "peak_rss_bytes", "plot_runs", "read_metrics", "write_summary"]
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    """The process's own peak resident memory so far.
+
+    On Linux this is ``VmHWM`` from ``/proc/self/status``, not ``getrusage``'s ``ru_maxrss``:
+    a process started by another one (``gradaccum compare`` starts one per setting) begins with
+    the starter's peak in ``ru_maxrss``, carried over by the kernel through ``exec``.
+    Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
@@ -26,19 +40,28 @@ class MetricsWriter:
 
     Each line has a ``kind``: ``"window"`` (one applied window: epoch, samples seen when it was
     applied, its loss) or ``"epoch"`` (an :class:`~gradaccum.demos.config.EpochResult`).
+    :attr:`records` keeps every line written, for a checkpoint; a resumed run passes them back
+    as ``records`` and the file starts again from them (dropping lines a killed run wrote after
+    its last checkpoint).
 
     Example:
         >>> w = MetricsWriter(None)
         >>> w.windows(epoch=1, samples=[64, 128], losses=[2.3, 2.2])
+        >>> len(w.records)
+        2
     """
 
-    def __init__(self, out: Path | None) -> None:
+    def __init__(self, out: Path | None, records: Sequence[dict[str, Any]] = ()) -> None:
         self._file: TextIO | None = None
+        self.records: list[dict[str, Any]] = []
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             self._file = (out / "metrics.jsonl").open("w")
+        for record in records:
+            self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -65,11 +88,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def write_summary(run: RunResult, out: Path) -> Path:
-    """Write ``summary.json`` (settings, per-epoch results, time) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "summary.json"
-    path.write_text(json.dumps(run.summary(), indent=2) + "\n")
-    return path
+    """Write ``summary.json`` (settings, per-epoch results, time) into ``out``, atomically."""
+    text = json.dumps(run.summary(), indent=2) + "\n"
+    return atomic_write(out / "summary.json", lambda tmp: tmp.write_text(text))
 
 
 def _smooth(x: Sequence[float], y: Sequence[float], points: int = 200) -> tuple[list[float], list[float]]:
@@ -88,7 +109,7 @@ def plot_runs(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path, titl
         title: the figure's title.
 
     Returns:
-        ``path``.
+        ``path`` (written atomically).
     """
     import matplotlib
 
@@ -111,7 +132,8 @@ def plot_runs(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path, titl
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    finally:
+        plt.close(fig)
     return path

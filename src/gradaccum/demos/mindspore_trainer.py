@@ -25,7 +25,7 @@ from mindspore import nn as msnn
 from numpy.typing import NDArray
 
 from gradaccum.core import parse_schedule
-from gradaccum.demos.config import RunResult, TrainConfig
+from gradaccum.demos.config import ConfigError, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks, epoch_order
 from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
@@ -140,22 +140,27 @@ class _Run:
 
 def _check(config: TrainConfig) -> None:
     if config.precision != "fp32":
-        raise ValueError(f"precision={config.precision!r}: the mindspore backend trains in fp32")
+        raise ConfigError(f"--precision {config.precision}: the mindspore backend trains in fp32")
     if config.device != "cpu":
-        raise ValueError(f"device={config.device!r}: the mindspore backend runs on the CPU here")
+        raise ConfigError(f"--device {config.device}: the mindspore backend runs on the CPU here")
+    if config.checkpoint_every is not None:
+        raise ConfigError("--checkpoint-every: the mindspore backend does not write checkpoints")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ValueError("the mindspore backend runs in one process or under msrun, not under torchrun")
+        raise ConfigError("the mindspore backend runs in one process or under msrun, not under torchrun")
 
 
 def _setup(config: TrainConfig, log: Log) -> _Run:
     _check(config)
     _use_cpu()
     ranks = mindspore_ranks()
-    model = build_mindspore_model(config.model, config.init, seed=config.seed, bn=config.bn,
-                                  steps=config.steps if isinstance(config.steps, int) else None)
+    try:
+        model = build_mindspore_model(config.model, config.init, seed=config.seed, bn=config.bn,
+                                      steps=config.steps if isinstance(config.steps, int) else None)
+        x, y = mnist_arrays("train", config.data_dir, config.limit_train)
+        x_test, y_test = mnist_arrays("test", config.data_dir, config.limit_test)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from err
     model.set_train(True)  # BatchNorm: batch statistics while training
-    x, y = mnist_arrays("train", config.data_dir, config.limit_train)
-    x_test, y_test = mnist_arrays("test", config.data_dir, config.limit_test)
     params = model.trainable_params()
     opt = make_optimizer(config.optimizer, params, config.lr)
     steps = parse_schedule(config.steps) if isinstance(config.steps, str) else config.steps
@@ -244,8 +249,8 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
         The run's results, with the final parameters as numpy arrays (torch's order and shapes).
 
     Raises:
-        ValueError: settings the backend does not run (bf16, a GPU device, ``--bn window``,
-            torchrun).
+        ConfigError: settings the backend does not run (bf16, a GPU device, ``--bn window``,
+            checkpoints, torchrun), or data it cannot read.
     """
     run = _setup(config, log)
     if not run.ranks.main:

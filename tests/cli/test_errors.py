@@ -1,0 +1,133 @@
+"""Every command's errors: one line `gradaccum COMMAND: error: ...`, exit 2 for bad usage, 1 for
+a failure while running, 3 when `check`'s model raised; the traceback only under --debug."""
+
+import gzip
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradaccum.cli import main
+from gradaccum.demos.mnist import default_data_dir
+
+TINY = ["--limit-train", "64", "--limit-test", "10", "--epochs", "1", "--no-progress"]
+
+
+def run(argv, capsys):
+    """``main(argv)``'s exit code (argparse's own errors raise SystemExit) and stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A text file, an empty batch, a truncated and a corrupt copy of MNIST, a plain file."""
+    folder = tmp_path_factory.mktemp("files")
+    (folder / "text.txt").write_text("not a tensor\n")
+    torch.save(torch.empty(0, 1, 28, 28), folder / "empty.pt")
+    torch.save({"inputs": torch.randn(8, 5)}, folder / "narrow.pt")
+    labels = "train-labels-idx1-ubyte.gz"  # the smallest file the training set needs
+    for name, damage in [("truncated", lambda b: b[: len(b) // 2]),
+                         ("corrupt", lambda b: gzip.compress(gzip.decompress(b)[:-1] + b"\x01"))]:
+        (folder / name).mkdir()
+        for original in default_data_dir().glob("*.gz"):
+            (folder / name / original.name).symlink_to(original)
+        (folder / name / labels).unlink()
+        (folder / name / labels).write_bytes(damage((default_data_dir() / labels).read_bytes()))
+    (folder / "afile").write_text("")
+    return folder
+
+
+BAD = [
+    # (argv, exit code, a piece of the message); {} is the fixture's folder
+    (["train", "--epochs", "0"], 2, "argument --epochs: must be an integer >= 1, got '0'"),
+    (["train", "--epochs", "-1"], 2, "argument --epochs"),
+    (["train", "--limit-train", "0"], 2, "argument --limit-train"),
+    (["train", "--limit-train", "-5"], 2, "argument --limit-train"),
+    (["train", "--limit-test", "0"], 2, "argument --limit-test"),
+    (["train", "--log-every", "0"], 2, "argument --log-every"),
+    (["train", "--lr", "-1"], 2, "argument --lr: must be a finite number > 0, got '-1'"),
+    (["train", "--lr", "nan"], 2, "argument --lr"),
+    (["train", "--seed", "-3"], 2, "argument --seed"),
+    (["train", *TINY, "--data-dir", "{}/missing"], 2, "not found in"),
+    (["train", *TINY, "--data-dir", "{}"], 2, "not found in"),
+    (["train", *TINY, "--data-dir", "{}/truncated"], 2, "truncated or not gzip"),
+    (["train", *TINY, "--data-dir", "{}/corrupt"], 2, "is corrupt"),
+    (["train", *TINY, "--out", "{}/afile/run"], 2, "is not a writable folder"),
+    (["train", *TINY, "--backend", "mindspore", "--precision", "bf16"], 2, "trains in fp32"),
+    (["train", "--global-batch", "60", "--steps", "8"], 2, "not divisible"),
+    (["compare", "--settings", "8"], 2, "MICROxSTEPS"),
+    (["compare", "--epochs", "0"], 2, "argument --epochs"),
+    (["compare", *TINY, "--settings", "64x1", "--data-dir", "{}/missing", "--out", "{}/cmp"], 2,
+     "the 64x1 run failed (exit 2)"),
+    (["check", "--model", "mlp", "--sample", "{}/text.txt"], 2, "is not a torch.save file"),
+    (["check", "--model", "mlp", "--sample", "{}/empty.pt"], 2, "is empty"),
+    (["check", "--model", "mlp", "--sample", "{}/missing.pt"], 2, "no such file"),
+    (["check", "--model", "mlp", "--steps", "0"], 2, "argument --steps"),
+    (["check", "--model", "mlp", "--atol", "-1"], 2, "argument --atol"),
+    (["check", "--model", "mlp", "--input-shape", "5"], 3, "the model raised RuntimeError"),
+    (["check", "--model", "mlp", "--sample", "{}/narrow.pt", "--steps", "2"], 3, "the model raised"),
+    (["plan", "--model", "mlp", "--input-shape", "5"], 2, "raised RuntimeError on input shape 5"),
+    (["plan", "--seed", "-1"], 2, "argument --seed"),
+    (["bench", "--threads", "0"], 2, "argument --threads"),
+    (["bench", "--out", "{}/afile/docs"], 2, "is not a writable folder"),
+    (["nosuchcommand"], 2, "invalid choice"),
+]
+if not torch.cuda.is_available():
+    BAD += [([cmd, "--device", "cuda", *extra], 2, "this machine has no cuda device")
+            for cmd, extra in [("train", []), ("compare", []), ("check", ["--model", "mlp"]),
+                               ("plan", []), ("bench", [])]]
+
+
+@pytest.mark.parametrize(("argv", "code", "message"), BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_commands_exit_with_one_line(argv, code, message, files, capsys):
+    argv = [a.replace("{}", str(files)) for a in argv]
+    got, err = run(argv, capsys)
+    lines = err.strip().splitlines()
+    command = argv[0] if argv[0] != "nosuchcommand" else ""
+    # (A run that compare starts writes its own line to the real stderr, not captured here.)
+    assert got == code and len(lines) == 1, err
+    assert lines[-1].startswith(f"gradaccum {command}".rstrip() + ": error: ") and message in lines[-1], err
+    assert "Traceback" not in err
+
+
+def test_a_failure_while_running_exits_1_and_debug_shows_the_traceback(capsys, monkeypatch):
+    import gradaccum.cli.info as info
+
+    def boom():
+        raise RuntimeError("the disk caught fire\nsecond line")
+
+    monkeypatch.setattr(info, "describe_machine", boom)
+    code, err = run(["info"], capsys)
+    assert code == 1
+    assert err == ("gradaccum info: error: RuntimeError: the disk caught fire "
+                   "(--debug shows the traceback)\n")
+    for argv, env in [(["info", "--debug"], None), (["--debug", "info"], None), (["info"], "1")]:
+        if env:
+            monkeypatch.setenv("GRADACCUM_DEBUG", env)
+        code, err = run(argv, capsys)
+        assert code == 1 and "Traceback (most recent call last)" in err and "in boom" in err, argv
+        assert err.strip().splitlines()[-1] == "gradaccum info: error: RuntimeError: the disk caught fire"
+
+
+def test_a_keyboard_interrupt_outside_training_exits_130_in_one_line(capsys, monkeypatch):
+    import gradaccum.cli.info as info
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(info, "describe_machine", interrupted)
+    assert run(["info"], capsys) == (130, "gradaccum info: interrupted (SIGINT)\n")
+
+
+def test_the_shell_sees_the_exit_code_and_no_traceback(files):
+    for argv, code in [(["train", "--log-every", "0"], 2),
+                       (["check", "--model", "mlp", "--input-shape", "5"], 3)]:
+        done = subprocess.run([sys.executable, "-m", "gradaccum", *argv], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == code and done.stderr.count("\n") == 1, done.stderr
+        assert "Traceback" not in done.stderr
