@@ -24,10 +24,25 @@ from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
 from tests.ranks import free_port
 
+pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipes")
+
 # 6400 items in micro-batches of 32: 200 loss lines per epoch, far more than the pipe holds.
 RUN = ["--limit-train", "6400", "--limit-test", "200", "--epochs", "2", "--no-progress",
        "--log-every", "1", "--micro-batch", "32", "--steps", "2"]
 TIMING = {"seconds", "samples_per_s", "peak_memory_bytes"}
+
+
+STARTED = []  # every Run, so that a failed test leaves no process behind
+
+
+@pytest.fixture(autouse=True)
+def _no_stragglers():
+    yield
+    while STARTED:
+        run = STARTED.pop()
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
 
 
 class Run:
@@ -46,6 +61,7 @@ class Run:
                                          stdout=write_end, stderr=err, env=env, start_new_session=True)
         os.close(write_end)
         self.stdout = os.fdopen(read_end)
+        STARTED.append(self)
 
     def read_until(self, condition, limit=2000):
         """Read lines until ``condition(line)`` holds; then the run can go on only a little."""
