@@ -203,13 +203,14 @@ def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) ->
 def _resume_line(args: argparse.Namespace, stop: Interrupted, world: int) -> str:
     name = signal.Signals(stop.signum).name
     if stop.checkpoint is None:
-        return f"interrupted by {name} {stop}; nothing saved (no --out)"
+        return f"interrupted by {name} {stop.where}; nothing saved (no --out)"
     if world > 1:
         how = "the same torchrun command with --resume"
     else:
         words = [w for w in args.argv if w != "--overwrite"]
         how = shlex.join(["gradaccum", *words, *([] if "--resume" in words else ["--resume"])])
-    return f"interrupted by {name} {stop}; checkpoint written to {stop.checkpoint}; resume with: {how}"
+    return (f"interrupted by {name} {stop.where}; checkpoint written to {stop.checkpoint}; "
+            f"resume with: {how}")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -257,11 +258,16 @@ def _run_ranks(args: argparse.Namespace, ranks: Ranks) -> int:
     resume = _prepare_out(args, config, ranks)
     print(f"gradaccum train: {config.model}, {batch}, lr {config.lr:g}, {config.optimizer}, "
           f"{config.epochs} epoch(s)" + (f", resuming the run in {config.out}" if resume else ""))
-    with StopFlag() as stop:
+    # The torch trainer stops at a point of its choosing and checkpoints; the MindSpore one
+    # cannot, so there Ctrl-C raises KeyboardInterrupt as usual (exit 130, nothing saved).
+    with StopFlag() if config.backend == "torch" else contextlib.nullcontext() as stop:
         try:
             result = run_config(config, resume=resume, stop=stop, write=ranks.main)
         except Interrupted as err:
-            raise Interrupted(err.signum, err.checkpoint, _resume_line(args, err, ranks.world)) from None
+            if not err.where:  # stopped outside the training loop: nothing to resume from
+                raise
+            raise Interrupted(err.signum, err.checkpoint, _resume_line(args, err, ranks.world),
+                              where=err.where) from None
     last = result.epochs[-1] if result.epochs else None
     if last is not None:
         print(f"Done: {last.test_accuracy:.1f}% after {last.epoch} epoch(s), "

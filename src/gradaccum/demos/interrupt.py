@@ -25,6 +25,7 @@ class Interrupted(BaseException):
     Attributes:
         signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
         checkpoint: the checkpoint written before stopping, or ``None``.
+        where: where a training loop stopped (``"at epoch 2, micro-batch 7 of 20"``), or ``""``.
         exit_code: ``128 + signum``, the shell's convention (130 for SIGINT, 143 for SIGTERM).
 
     Example:
@@ -32,10 +33,13 @@ class Interrupted(BaseException):
         143
     """
 
-    def __init__(self, signum: int, checkpoint: Path | None = None, message: str = "") -> None:
-        super().__init__(message or f"interrupted ({signal.Signals(signum).name})")
+    def __init__(self, signum: int, checkpoint: Path | None = None, message: str = "", *,
+                 where: str = "") -> None:
+        name = signal.Signals(signum).name
+        super().__init__(message or " ".join(filter(None, [f"interrupted ({name})", where])))
         self.signum = int(signum)
         self.checkpoint = checkpoint
+        self.where = where
 
     @property
     def exit_code(self) -> int:

@@ -227,7 +227,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
         if signum := _stop_signal(run):
             bar.close()
             where = f"at epoch {epoch}, micro-batch {i} of {size}"
-            raise Interrupted(signum, _checkpoint(run, here(i)), where)
+            raise Interrupted(signum, _checkpoint(run, here(i)), where=where)
         idx = order[i * micro:(i + 1) * micro]
         with run.autocast():
             loss = nn.functional.cross_entropy(model(run.x[idx]), run.y[idx])
