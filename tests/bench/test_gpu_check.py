@@ -163,4 +163,5 @@ print(cli())
 def test_the_bench_floor_imports_nothing_from_cli():
     out = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": SRC}, check=True, timeout=300)
-    assert out.stdout.splitlines() == ["[]", "['gradaccum.cli', 'gradaccum.cli.info']"]
+    before, after = out.stdout.splitlines()
+    assert before == "[]" and "'gradaccum.cli.info'" in after
