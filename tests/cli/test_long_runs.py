@@ -124,6 +124,18 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_the_uninterrupted_run
     assert not (out / "checkpoint.pt").exists()
 
 
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(reference, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "window", "epoch": 1, "samples": 64, "loss": 2.3}\n')
+    assert main(["train", *RUN, "--checkpoint-every", "5", "--out", str(out), "--resume"]) == 0
+    assert "No checkpoint in " in capsys.readouterr().out
+    assert same_params(out, reference) and same_metrics(out, reference)
+    # A folder with no run at all is not resumed: a mistyped --out says so.
+    assert main(["train", *RUN, "--out", str(tmp_path / "typo"), "--resume"]) == 2
+    assert "no checkpoint.pt in" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_checkpoints_exits_128_plus_signum_and_resumes_bitwise(signum, reference, tmp_path):
     out = tmp_path / "run"

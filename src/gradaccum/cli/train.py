@@ -22,7 +22,7 @@ from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
 from gradaccum.demos.interrupt import Interrupted, StopFlag
-from gradaccum.demos.outputs import CHECKPOINT, clear_run, run_files_in
+from gradaccum.demos.outputs import CHECKPOINT, FINAL_FILES, clear_run, run_files_in
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -179,7 +179,11 @@ def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) ->
             if given:
                 raise UsageError(f"{flag} needs --out, the run's folder")
         return None
-    if args.resume:
+    held = run_files_in(out)
+    restart = args.resume and held and not set(held) & {CHECKPOINT, *FINAL_FILES}
+    if restart:  # stopped before its first checkpoint: the latest state saved is the start
+        print(f"No checkpoint in {out} yet: the run starts over")
+    elif args.resume:
         state = load_checkpoint(out)
         check_resumable(state, config, ranks.world)
         writable_dir(out)
@@ -187,8 +191,7 @@ def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) ->
             config.checkpoint_every = state["config"].get("checkpoint_every")
         return state
     writable_dir(out)
-    held = run_files_in(out)
-    if held and not args.overwrite:
+    if held and not (args.overwrite or restart):
         raise UsageError(f"--out {out} holds another run ({', '.join(held)}): give --resume to "
                          "continue it or --overwrite to replace it")
     if ranks.world > 1 and config.backend == "torch":
