@@ -24,7 +24,8 @@ from torch import nn
 
 from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome, alloc_bytes, peak, rel_l2
-from gradaccum.bench.gpu.gpt import GPT, GPT_SMALL, GPT_TINY, gpt_loss, token_batches
+from gradaccum.bench.gpu.gpt import GPT_SMALL, GPT_TINY, gpt_loss, token_batches
+from gradaccum.demos.gpt import GPT
 
 __all__ = ["run"]
 
@@ -37,7 +38,7 @@ def _micro_grads(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
     out = []
     for x, y in batches:
         model.zero_grad(set_to_none=True)
-        torch.autograd.backward(gpt_loss(model(x).float(), y))
+        torch.autograd.backward(gpt_loss(model(x)[0].float(), y))
         out.append([p.grad.detach().clone() for p in model.parameters()])  # type: ignore[union-attr]
     model.zero_grad(set_to_none=True)
     return out
@@ -65,11 +66,11 @@ def _window_memory(ctx: Context, model: nn.Module, batches: list[tuple[torch.Ten
 
     def first() -> None:
         x, y = batches[0]
-        acc.backward(gpt_loss(model(x).float(), y))
+        acc.backward(gpt_loss(model(x)[0].float(), y))
 
     def rest() -> None:
         for x, y in batches[1:]:
-            acc.backward(gpt_loss(model(x).float(), y))
+            acc.backward(gpt_loss(model(x)[0].float(), y))
 
     held = peak(first, ctx.device)
     after = peak(rest, ctx.device)

@@ -22,7 +22,8 @@ from torch import nn
 
 from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome, rel_l2
-from gradaccum.bench.gpu.gpt import GPT, GPT_SMALL, GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.bench.gpu.gpt import GPT_SMALL, GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.demos.gpt import GPT
 
 __all__ = ["run"]
 
@@ -39,7 +40,7 @@ def _train(ctx: Context, model: nn.Module, forward: nn.Module,
     losses = []
     for x, y in batches:
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-            loss = gpt_loss(forward(x), y)
+            loss = gpt_loss(forward(x)[0], y)
         if acc.backward(loss, n_items=(y != IGNORE).sum()):
             losses.append(float(acc.window_loss))  # type: ignore[arg-type]
     if acc.flush():

@@ -25,7 +25,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator
-from gradaccum.bench.gpu.gpt import GPT, GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.bench.gpu.gpt import GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.demos.gpt import GPT
 
 __all__ = ["STEPS", "WINDOWS", "rank_main", "scenario"]
 
@@ -71,9 +72,9 @@ def scenario(device: torch.device, weighting: str) -> dict[str, Any]:
             batches = token_batches(GPT_TINY, MICRO, world * STEPS, device, seed=100 + w, padded=True)
             for i, (x, y) in enumerate(batches):  # the reference: every rank's micro-batches
                 n = (y != IGNORE).sum() if weighting == "n_items" else None
-                ref_acc.backward(gpt_loss(reference(x), y), n_items=n)
+                ref_acc.backward(gpt_loss(reference(x)[0], y), n_items=n)
                 if rank * STEPS <= i < (rank + 1) * STEPS:
-                    acc.backward(gpt_loss(ddp(x), y), n_items=n)
+                    acc.backward(gpt_loss(ddp(x)[0], y), n_items=n)
                     # the comm hook's all-reduce goes through dist.all_reduce too
                     calls.append([count["grad"], count["other"] - count["grad"]])
             losses.append(float(acc.window_loss))  # type: ignore[arg-type]

@@ -22,7 +22,8 @@ import torch
 
 from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome
-from gradaccum.bench.gpu.gpt import GPT, GPT_SMALL, GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.bench.gpu.gpt import GPT_SMALL, GPT_TINY, IGNORE, gpt_loss, token_batches
+from gradaccum.demos.gpt import GPT
 
 __all__ = ["run"]
 
@@ -45,7 +46,7 @@ def _skips(ctx: Context, mode: str, windows: int) -> tuple[int, float]:
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(ctx.device.type, dtype=torch.float16):
-            return gpt_loss(model(x), y)
+            return gpt_loss(model(x)[0], y)
 
     skipped = 0
     if mode == "hand-written":

@@ -117,8 +117,8 @@ def _window_fn(ctx: Context, variant: dict[str, Any] | None) -> Window:
     loop) and the ``n_items`` tensors it passes."""
     config = GPT_TINY if ctx.smoke else GPT_SMALL
     torch.manual_seed(0)
-    width = config.width
-    model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, config.vocab))
+    width = config.n_embd
+    model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, config.vocab_size))
     model.to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     g = torch.Generator().manual_seed(0)

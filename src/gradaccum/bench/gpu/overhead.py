@@ -26,8 +26,9 @@ import torch
 
 from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome, peak
-from gradaccum.bench.gpu.gpt import GPT, GPT_100M, GPT_TINY, GPTConfig, gpt_loss, token_batches
+from gradaccum.bench.gpu.gpt import GPT_100M, GPT_TINY, gpt_loss, token_batches
 from gradaccum.bench.measure import Timings
+from gradaccum.demos.gpt import GPT, GPTConfig
 
 __all__ = ["EventClock", "WallClock", "run"]
 
@@ -88,7 +89,7 @@ def _contenders(config: GPTConfig, device: torch.device) -> tuple[dict[str, Call
     def hand_written(batches: Batches) -> None:
         for x, y in batches:
             with autocast():
-                loss = gpt_loss(hw_model(x), y) / STEPS
+                loss = gpt_loss(hw_model(x)[0], y) / STEPS
             torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(hw_model.parameters(), 1.0)
         hw_opt.step()
@@ -97,7 +98,7 @@ def _contenders(config: GPTConfig, device: torch.device) -> tuple[dict[str, Call
     def gradaccum(batches: Batches) -> None:
         for x, y in batches:
             with autocast():
-                loss = gpt_loss(ga_model(x), y)
+                loss = gpt_loss(ga_model(x)[0], y)
             acc.backward(loss)
 
     return {"hand-written": hand_written, "gradaccum": gradaccum}, sum(p.numel() for p in base.parameters())
@@ -133,7 +134,7 @@ def run(ctx: Context) -> Outcome:
     fns, n_params = _contenders(config, ctx.device)
     batches = token_batches(config, micro, STEPS, ctx.device)
     ctx.record(model=config.__dict__, parameters=n_params, micro_batch=micro, steps=STEPS,
-               tokens_per_window=micro * STEPS * config.block, clock="cuda events" if not ctx.smoke
+               tokens_per_window=micro * STEPS * config.block_size, clock="cuda events" if not ctx.smoke
                else "wall clock (smoke)")
     for _ in range(2):  # warm-up: optimizer state, cuBLAS handles, autotuning
         for fn in fns.values():
@@ -150,7 +151,7 @@ def run(ctx: Context) -> Outcome:
     ctx.record(median_ms=ms, ratio=ratio, ratio_quartiles=quartiles, peak_bytes=peaks,
                peak_diff_bytes=diff, stdev_ms={n: 1000 * statistics.pstdev(s)
                                                for n, s in timings.samples.items()})
-    measured = (f"{micro} x {STEPS} sequences of {config.block}: {ms['gradaccum']:.1f} vs "
+    measured = (f"{micro} x {STEPS} sequences of {config.block_size}: {ms['gradaccum']:.1f} vs "
                 f"{ms['hand-written']:.1f} ms/window, ratio {ratio:.3f} [{quartiles[0]:.3f}, "
                 f"{quartiles[1]:.3f}], {len(timings.samples['gradaccum'])} rounds; peak diff {diff:+,} B")
     met = None if ctx.smoke else ratio <= RATIO_TARGET and diff == 0
