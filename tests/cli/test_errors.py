@@ -8,19 +8,10 @@ import sys
 import pytest
 import torch
 
-from gradaccum.cli import main
 from gradaccum.demos.mnist import default_data_dir
+from tests.cli import run
 
 TINY = ["--limit-train", "64", "--limit-test", "10", "--epochs", "1", "--no-progress"]
-
-
-def run(argv, capsys):
-    """``main(argv)``'s exit code (argparse's own errors raise SystemExit) and stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import torch
 import gradaccum
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
+from tests.cli import run
 from tests.ranks import free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipes")
@@ -205,11 +206,7 @@ def test_an_out_folder_holds_one_run(tmp_path, capsys):
     (["--backend", "mindspore", "--resume", "--out", "x"], "does not write checkpoints"),
 ])
 def test_checkpoint_options_need_an_out_folder_and_the_torch_backend(argv, message, capsys):
-    try:
-        code = main(["train", *argv])
-    except SystemExit as stop:  # argparse's own errors
-        code = stop.code
-    err = capsys.readouterr().err
+    code, err = run(["train", *argv], capsys)
     assert code == 2 and err.count("\n") == 1 and message in err
 
 

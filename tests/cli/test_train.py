@@ -8,6 +8,7 @@ import pytest
 from gradaccum.cli import main
 from gradaccum.cli.compare import parse_settings
 from gradaccum.demos.metrics import read_metrics
+from tests.cli import run
 
 SMALL = ["--limit-train", "640", "--limit-test", "200", "--epochs", "2", "--no-progress"]
 
@@ -61,11 +62,7 @@ def test_carry_keeps_the_partial_window_across_epochs(tmp_path):
     (["--micro-batch", "0"], "argument --micro-batch: must be an integer >= 1, got '0'"),
 ])
 def test_bad_batch_options_exit_with_a_message(argv, message, capsys):
-    try:
-        code = main(["train", *argv])
-    except SystemExit as stop:  # argparse's own check of the value
-        code = stop.code
-    err = capsys.readouterr().err
+    code, err = run(["train", *argv], capsys)
     assert code == 2 and err.count("\n") == 1 and message in err
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
+from tests.cli import run
 
 
 def test_steps_schedule_changes_the_window_size(tmp_path, capsys):
@@ -28,9 +29,5 @@ def test_steps_schedule_changes_the_window_size(tmp_path, capsys):
     (["--steps-schedule", "0:4", "--micro-batch", "0"], "argument --micro-batch"),
 ])
 def test_bad_schedule_options_exit_with_a_message(argv, message, capsys):
-    try:
-        code = main(["train", *argv])
-    except SystemExit as stop:  # argparse's own check of the value
-        code = stop.code
-    err = capsys.readouterr().err
+    code, err = run(["train", *argv], capsys)
     assert code == 2 and err.count("\n") == 1 and message in err
