@@ -70,11 +70,7 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
     """
     if not isinstance(state, Mapping) or "grads" not in state or "window" not in state:
         raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
-    missing = [k for k in ("version", "steps", "param_signature", *counters)
-               if k not in state]
-    if missing:
-        raise ValueError(f"state is missing {', '.join(map(repr, missing))}: not a state from "
-                         "Accumulator.state_dict(), or a damaged one")
+    check_record_keys(state, ("version", "steps", "param_signature", *counters))
     if state["version"] != FORMAT_VERSION:
         raise ValueError(f"state has format version {state['version']!r}, expected {FORMAT_VERSION}")
     if state["steps"] != steps:
