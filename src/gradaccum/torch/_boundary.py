@@ -20,10 +20,10 @@ from gradaccum.core.window import Window
 from gradaccum.torch._grads import scale_and_clip_
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._state import is_nonzero
-from gradaccum.torch._window_loss import WindowLoss
+from gradaccum.torch._window_loss import WindowLoss, sum_losses
 from gradaccum.torch.distributed.base import GradSync
 
-__all__ = ["Outcome", "apply_window", "largest", "provisional_total", "sum_losses"]
+__all__ = ["Outcome", "apply_window", "largest", "provisional_total"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,7 @@ class Outcome:
     Attributes:
         stepped: the optimizer stepped.
         loss: the window's loss record; None when the window held no items (keep the last one).
-        most: across ranks, the largest micro-batch count of the window on any rank; None
-            on one process (the accumulator tracks it itself).
+        most: the window's largest micro-batch count (across ranks: on any rank).
         grad_norm: the gradient's norm before clipping, when clipping or a check computed it.
         no_grads: no parameter of the optimizer had a gradient.
     """
@@ -82,13 +81,6 @@ def provisional_total(most: Any, size: int) -> Any:
     return (most if most > 0 else 1) * size
 
 
-def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The sum of a window's scaled micro-batch losses (None for none)."""
-    if not losses:
-        return None
-    return losses[0] if len(losses) == 1 else torch.stack(list(losses)).sum()
-
-
 def apply_window(window: Window, losses: Sequence[torch.Tensor], most: Any, sync: GradSync,
                  precision: Precision, clip_norm: float | None) -> Outcome:
     """Reduce, normalize, clip and step for one complete (or flushed) window.
@@ -100,8 +92,10 @@ def apply_window(window: Window, losses: Sequence[torch.Tensor], most: Any, sync
     sync.check_forward()
     distributed = sync.world_size > 1
     items = window.items if window.weighting == "items" else None
-    loss_sum, items, most = sync.reduce_window(sum_losses(losses) if distributed else None, items,
-                                               most if distributed else None)
+    loss_sum, items, reduced = sync.reduce_window(sum_losses(losses) if distributed else None, items,
+                                                  most if distributed else None)
+    if distributed:
+        most = reduced
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
     if window.summed and not is_nonzero(items):
         return Outcome(False, most=most)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,16 @@ import torch
 
 from gradaccum.core.window import is_one
 
-__all__ = ["WindowLoss"]
+__all__ = ["WindowLoss", "sum_losses"]
+
+
+def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of a window's scaled micro-batch losses (None for none)."""
+    return _sum(losses) if losses else None
+
+
+def _sum(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    return losses[0] if len(losses) == 1 else torch.stack(list(losses)).sum()
 
 
 @dataclass(frozen=True)
@@ -30,5 +40,5 @@ class WindowLoss:
 
     def value(self) -> torch.Tensor:
         """The window's loss, a 0-dim tensor."""
-        total = self.parts[0] if len(self.parts) == 1 else torch.stack(self.parts).sum()
+        total = _sum(self.parts)
         return total if is_one(self.factor) else total * self.factor

@@ -13,13 +13,13 @@ from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window, is_one
-from gradaccum.torch._boundary import apply_window, largest, provisional_total, sum_losses
+from gradaccum.torch._boundary import apply_window, largest, provisional_total
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._state import check_state, pack_state, restore_grads
 from gradaccum.torch._validate import Items, Reduction, Scheduler, check_items, check_loss, check_parts
-from gradaccum.torch._window_loss import WindowLoss
+from gradaccum.torch._window_loss import WindowLoss, sum_losses
 from gradaccum.torch.distributed.base import GradSync, SyncMode
 from gradaccum.torch.distributed.selector import make_sync
 
@@ -286,7 +286,7 @@ class Accumulator(WindowHooks):
     def _step(self, window: Window) -> bool:
         out = apply_window(window, self._losses, self._window_most, self._sync, self._precision,
                            self.clip_norm)
-        self._most = largest(self._most, out.most if self._sync.world_size > 1 else self._window_most)
+        self._most = largest(self._most, out.most)
         if out.loss is not None:
             self._last_loss = out.loss
             self.grad_norm = out.grad_norm
