@@ -122,3 +122,13 @@ def test_the_shell_sees_the_exit_code_and_no_traceback(files):
                               text=True, timeout=300)
         assert done.returncode == code and done.stderr.count("\n") == 1, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_train_without_mindspore_names_the_extra_in_one_line():
+    hide = "import sys; sys.modules['mindspore'] = None; from gradaccum.cli import main; "
+    argv = ["train", *TINY, "--backend", "mindspore"]
+    done = subprocess.run([sys.executable, "-c", hide + f"sys.exit(main({argv!r}))"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--backend mindspore needs MindSpore" in done.stderr
+    assert "pip install 'gradaccum[mindspore]'" in done.stderr

@@ -14,6 +14,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from gradaccum.cli._errors import UsageError
@@ -109,12 +110,7 @@ def run_config(config: TrainConfig, *, resume: dict[str, Any] | None = None,
         write: write the final files (False on ranks other than 0).
     """
     if config.backend == "mindspore":
-        try:
-            from gradaccum.demos.mindspore_trainer import run_mindspore
-        except ImportError as err:
-            raise UsageError(f"--backend mindspore needs MindSpore ({err}): "
-                             "pip install 'gradaccum[mindspore]'") from None
-        result = run_mindspore(config)
+        result: RunResult = _mindspore_trainer().run_mindspore(config)
     else:
         from gradaccum.demos.trainer import run_torch
 
@@ -216,6 +212,16 @@ def _resume_line(args: argparse.Namespace, stop: Interrupted, world: int) -> str
             f"resume with: {how}")
 
 
+def _mindspore_trainer() -> ModuleType:
+    """``gradaccum.demos.mindspore_trainer``, or a usage error naming the extra to install."""
+    try:
+        from gradaccum.demos import mindspore_trainer
+    except ImportError as err:
+        raise UsageError(f"--backend mindspore needs MindSpore ({err}): "
+                         "pip install 'gradaccum[mindspore]'") from None
+    return mindspore_trainer
+
+
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.distributed import init_from_env
     from gradaccum.demos.extras import MissingExtraError, require_demo_extra
@@ -229,9 +235,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume or args.checkpoint_every:
             raise UsageError("--backend mindspore does not write checkpoints: drop --checkpoint-every "
                              "and --resume (or train with --backend torch)")
-        from gradaccum.demos.mindspore_trainer import init_msrun
-
-        ranks = init_msrun()  # every worker under msrun, else one process
+        ranks = _mindspore_trainer().init_msrun()  # every worker under msrun, else one process
         if not ranks.main:
             args.out = None  # rank 0 writes for every rank
         return _as_rank(args, ranks)
