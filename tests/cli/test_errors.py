@@ -64,6 +64,8 @@ BAD = [
     (["check", "--model", "mlp", "--sample", "{}/narrow.pt", "--steps", "2"], 3, "the model raised"),
     (["plan", "--model", "mlp", "--input-shape", "5"], 2, "raised RuntimeError on input shape 5"),
     (["plan", "--seed", "-1"], 2, "argument --seed"),
+    (["plan", "--probe", "03", "8"], 2, "argument --probe: must be an integer >= 1, got '03'"),
+    (["train", "--epochs", "1_000"], 2, "argument --epochs: must be an integer >= 1, got '1_000'"),
     (["bench", "--threads", "0"], 2, "argument --threads"),
     (["bench", "--out", "{}/afile/docs"], 2, "is not a writable folder"),
     (["nosuchcommand"], 2, "invalid choice"),

@@ -18,11 +18,12 @@ __all__ = ["check_device", "finite_float", "nonneg_int", "positive_float", "posi
 
 
 def _int(text: str, minimum: int, what: str) -> int:
+    """``text`` as an integer >= ``minimum``, written plainly ("3", not "03", "+3" or "3_000")."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}") from None
-    if value < minimum:
+        value = minimum - 1
+    if value < minimum or str(value) != text.strip():
         raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}")
     return value
 
