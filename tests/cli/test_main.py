@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from gradaccum.cli import main
 
 
@@ -21,7 +23,8 @@ def test_no_command_prints_help(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-def test_train_without_the_demo_extra_names_it_in_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_commands_without_the_demo_extra_name_it_in_one_line(command, monkeypatch, capsys):
     import importlib.util
 
     from gradaccum.cli import main
@@ -29,6 +32,6 @@ def test_train_without_the_demo_extra_names_it_in_one_line(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tqdm" else real(name, *a))
-    assert main(["train", "--limit-train", "64", "--epochs", "1"]) == 2
+    assert main([command, "--limit-train", "64", "--epochs", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'gradaccum[demo]'" in err and "Traceback" not in err

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from gradaccum.demos.config import ConfigError
+from gradaccum.demos.extras import MissingExtraError
 from gradaccum.demos.interrupt import Interrupted
 
 __all__ = ["EXIT_FAILURE", "EXIT_MODEL", "EXIT_USAGE", "CommandError", "ModelError", "Parser",
@@ -139,7 +140,7 @@ def run_command(prog: str, func: Callable[[argparse.Namespace], Any], args: argp
     except CommandError as err:
         _report(prog, f"error: {one_line(err)}", debug)
         return err.code
-    except ConfigError as err:
+    except (ConfigError, MissingExtraError) as err:
         _report(prog, f"error: {one_line(err)}", debug)
         return EXIT_USAGE
     except Exception as err:  # the point: no traceback, one line

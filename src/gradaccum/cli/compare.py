@@ -148,14 +148,11 @@ def _clear_previous(out: Path) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gradaccum.demos.extras import MissingExtraError, require_demo_extra
+    from gradaccum.demos.extras import require_demo_extra
     from gradaccum.demos.metrics import plot_runs, read_metrics
     from gradaccum.demos.outputs import atomic_write
 
-    try:
-        require_demo_extra()
-    except MissingExtraError as err:
-        raise UsageError(str(err)) from None
+    require_demo_extra()
 
     try:
         settings = parse_settings(args.settings)

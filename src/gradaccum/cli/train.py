@@ -224,12 +224,9 @@ def _mindspore_trainer() -> ModuleType:
 
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.distributed import init_from_env
-    from gradaccum.demos.extras import MissingExtraError, require_demo_extra
+    from gradaccum.demos.extras import require_demo_extra
 
-    try:
-        require_demo_extra()
-    except MissingExtraError as err:
-        raise UsageError(str(err)) from None
+    require_demo_extra()
     check_device(args.device)
     if args.backend == "mindspore":
         if args.resume or args.checkpoint_every:
