@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from gradaccum.cli._errors import UsageError
+from gradaccum.cli._errors import UsageError, one_line
 
 __all__ = ["check_device", "finite_float", "nonneg_int", "positive_float", "positive_int",
            "writable_dir"]
@@ -86,8 +86,7 @@ def check_device(text: str, option: str = "--device") -> str:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError) as err:
-        raise UsageError(f"{option} {text!r} is not a device name "
-                         f"({str(err).splitlines()[0]})") from None
+        raise UsageError(f"{option} {text!r} is not a device name ({one_line(err)})") from None
     if device.type == "cpu":
         return text
     backend = getattr(torch, device.type, None)

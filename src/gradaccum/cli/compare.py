@@ -24,6 +24,7 @@ from gradaccum.cli._errors import CommandError, UsageError
 from gradaccum.cli._options import check_device, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
 from gradaccum.demos.interrupt import SIGNALS, Interrupted
+from gradaccum.demos.outputs import CHECKPOINT, atomic_write
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
@@ -133,7 +134,7 @@ def _run_child(cmd: list[str], label: str, run_dir: Path) -> int:
             proc.kill()
             proc.wait()
     if received:
-        saved = run_dir / "checkpoint.pt"
+        saved = run_dir / CHECKPOINT
         note = f"; its checkpoint is {saved}" if saved.is_file() else ""
         raise Interrupted(received[0], message=f"interrupted by {signal.Signals(received[0]).name} "
                                                f"during the {label} run (exit {code}){note}")
@@ -150,7 +151,6 @@ def _clear_previous(out: Path) -> None:
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.extras import require_demo_extra
     from gradaccum.demos.metrics import plot_runs, read_metrics
-    from gradaccum.demos.outputs import atomic_write
 
     require_demo_extra()
 

@@ -23,7 +23,7 @@ from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
 from gradaccum.demos.interrupt import Interrupted, StopFlag
-from gradaccum.demos.outputs import CHECKPOINT, FINAL_FILES, clear_run, run_files_in
+from gradaccum.demos.outputs import CHECKPOINT, FINAL_FILES, atomic_write, clear_run, run_files_in
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -125,7 +125,6 @@ def _write_outputs(result: RunResult, out: Path) -> None:
     import numpy as np
 
     from gradaccum.demos.metrics import plot_runs, read_metrics, write_summary
-    from gradaccum.demos.outputs import atomic_write
 
     write_summary(result, out)
     atomic_write(out / "params.npz", lambda tmp: np.savez(tmp, *result.final_params))
