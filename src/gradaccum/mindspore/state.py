@@ -23,7 +23,6 @@ from gradaccum.core.checkpoint import (
     check_record_keys,
     check_state_record,
     param_signature,
-    window_from_record,
 )
 from gradaccum.core.validate import check_nonneg_int
 
@@ -80,13 +79,7 @@ def check(state: Any, schedule: Schedule, weighting: str, buffers: Sequence[Para
             :func:`gradaccum.core.check_state_record` (version, steps, parameters).
     """
     check_record_keys(state, KEYS)
-    if not isinstance(state["grads"], (list, tuple)):
-        raise TypeError(f"state['grads'] must be a list of arrays, got {type(state['grads']).__name__}")
-    if not isinstance(state["param_signature"], (list, tuple)):
-        raise TypeError(f"state['param_signature'] must be a list, got "
-                        f"{type(state['param_signature']).__name__}")
-    check_state_record(state, schedule.describe(), param_signature(buffers))
-    window = window_from_record(state["window"])
+    window = check_state_record(state, schedule.describe(), param_signature(buffers))
     if window.weighting not in (None, weighting):
         raise ValueError(f"state holds a window with weighting={window.weighting!r}, this "
                          f"accumulator has weighting={weighting!r}")
@@ -98,7 +91,6 @@ def check(state: Any, schedule: Schedule, weighting: str, buffers: Sequence[Para
     steps = check_nonneg_int("state['optimizer_steps']", state["optimizer_steps"])
     if steps > _INT64_MAX:
         raise ValueError(f"state['optimizer_steps'] must be below 2**63, got {steps}")
-    check_nonneg_int("state['skipped_windows']", state["skipped_windows"])
     epoch = check_nonneg_int("state['epoch']", state["epoch"])
     if schedule.by == "optimizer_step" and window.size != schedule(steps):
         raise ValueError(f"state['window']['size'] is {window.size}, but steps={schedule.describe()!r} "
