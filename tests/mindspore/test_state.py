@@ -1,5 +1,6 @@
 """Checkpoints: a resume in the middle of a window is bit-exact; foreign states are refused."""
 
+import copy
 import pickle
 
 import pytest
@@ -200,9 +201,16 @@ CORRUPTED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def good_state():
+    """One ``stateful()`` state for every corruption (each test edits a deep copy)."""
+    return stateful().state_dict()
+
+
 @pytest.mark.parametrize(("name", "corrupt", "error", "message"), CORRUPTED, ids=[c[0] for c in CORRUPTED])
-def test_a_corrupted_state_raises_naming_the_key_and_changes_nothing(name, corrupt, error, message):
-    saved = stateful().state_dict()
+def test_a_corrupted_state_raises_naming_the_key_and_changes_nothing(name, corrupt, error, message,
+                                                                      good_state):
+    saved = copy.deepcopy(good_state)
     target = build(net(seed=5), steps=3, weighting="items")[1]
     fn = grad_fn(net(seed=5))
     x, y = data(MICRO, seed=9)
