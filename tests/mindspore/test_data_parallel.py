@@ -17,7 +17,7 @@ from mindspore import nn
 
 from tests.mindspore_reference import LOSS, assert_params_close, data, full_batch_steps, grad_fn, net, params
 from tests.mindspore_reference import params_differ as differ
-from tests.ranks import load_ranks, run_msrun
+from tests.ranks import load_ranks, run_msrun, scenario
 
 # As in dp_ranks.py.
 STEPS, WINDOWS, GLOBAL_MICRO, CLIP = 2, 3, 8, 0.5
@@ -32,13 +32,6 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("msrun")
     run_msrun([str(Path(__file__).with_name("dp_ranks.py")), str(out)], out)
     return load_ranks(out)
-
-
-def scenario(ranks, name):
-    for rank, saved in enumerate(ranks):
-        if "error" in saved[name]:
-            raise AssertionError(f"scenario {name!r} raised on rank {rank}:\n{saved[name]['error']}")
-    return [saved[name] for saved in ranks]
 
 
 def window_losses(model, windows):
