@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
-from gradaccum.core.validate import check_nonneg_int
+from gradaccum.core.validate import check_nonneg_int, check_positive_int
 from gradaccum.core.window import Window
 
 __all__ = ["COUNTERS", "FORMAT_VERSION", "check_optional_number", "check_record_keys", "check_state_record",
-           "param_signature", "window_from_record"]
+           "nonneg_finite", "param_signature", "window_from_record"]
 
 FORMAT_VERSION = 1
 COUNTERS = ("optimizer_steps", "skipped_windows", "epoch")
@@ -98,14 +98,8 @@ def window_from_record(w: Any) -> Window:
         >>> window_from_record({"size": 4, "micro_step": 1, "weighting": "mean", "items": 0}).micro_step
         1
     """
-    if not isinstance(w, Mapping):
-        raise TypeError(f"state['window'] must be a dict, got {type(w).__name__}")
-    missing = [k for k in ("size", "micro_step", "weighting", "items") if k not in w]
-    if missing:
-        raise ValueError(f"state['window'] is missing {', '.join(map(repr, missing))}")
-    size = check_nonneg_int("state['window']['size']", w["size"])
-    if size < 1:
-        raise ValueError(f"state['window']['size'] must be >= 1, got {size}")
+    check_record_keys(w, ("size", "micro_step", "weighting", "items"), "state['window']")
+    size = check_positive_int("state['window']['size']", w["size"])
     micro = check_nonneg_int("state['window']['micro_step']", w["micro_step"])
     if micro >= size:
         raise ValueError(f"state['window']['micro_step'] must be in [0, {size}) for a window of "
@@ -123,7 +117,7 @@ def window_from_record(w: Any) -> Window:
     if isinstance(items, (bool, str)):
         raise TypeError(f"state['window']['items'] must be a number, got {items!r}")
     if isinstance(items, Real):
-        if not _nonneg_finite(items):
+        if not nonneg_finite(items):
             raise ValueError(f"state['window']['items'] must be a finite number >= 0, got {items!r}")
         # Only a window of summed losses may hold no item yet; any other holds none or some.
         if (weighting == "items" and items == 0 and not summed) or (weighting != "items" and items != 0):
@@ -131,7 +125,7 @@ def window_from_record(w: Any) -> Window:
                              "item total > 0 belongs to an item-weighted window, 0 to any other")
     scale = w.get("scale")
     if isinstance(scale, (bool, str)) or (
-            isinstance(scale, Real) and not (_nonneg_finite(scale) and float(scale) > 0)):
+            isinstance(scale, Real) and not (nonneg_finite(scale) and float(scale) > 0)):
         raise ValueError(f"state['window']['scale'] must be None or a number > 0, got {scale!r}")
     return Window(size, micro, weighting, items, scale, summed)
 
@@ -147,7 +141,8 @@ def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
             f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}")
 
 
-def _nonneg_finite(x: Real) -> bool:
+def nonneg_finite(x: Real) -> bool:
+    """``x`` is a finite number >= 0 (a saved count or scale)."""
     return math.isfinite(float(x)) and float(x) >= 0
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from numbers import Real
 from typing import Any
 
 import torch
 
-from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, param_signature
+from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, nonneg_finite, param_signature
 from gradaccum.core.window import Window
 
 __all__ = ["FORMAT_VERSION", "check_state", "clone_scalar", "is_nonzero", "pack_state", "restore_grads",
@@ -99,7 +98,7 @@ def _check_scalar(name: str, value: Any, numbers_ok: bool) -> None:
                              f"{tuple(value.shape)}")
         return
     if numbers_ok and isinstance(value, Real) and not isinstance(value, bool):
-        if not (math.isfinite(float(value)) and float(value) >= 0):
+        if not nonneg_finite(value):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         return
     raise TypeError(f"{name} must be {'a number, ' if numbers_ok else ''}a 0-dim tensor or None, "
