@@ -34,6 +34,11 @@ class RankGroups:
         self.device = device
         self.mode = check_sync_mode(mode)
         self.world_size = math.prod(dist.get_world_size(g) for g in self.groups)
+        # This rank's index among the data-parallel ranks, in [0, world_size): its slot in
+        # reduce_window's vector.
+        self.rank_index = 0
+        for group in self.groups:
+            self.rank_index = self.rank_index * dist.get_world_size(group) + dist.get_rank(group)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         for group in self.groups:
@@ -67,14 +72,6 @@ class RankGroups:
             loss = loss.to(loss_sum.dtype)
         total = None if items is None else next(out)
         return loss, total, None if most is None else vec[len(present):].max()
-
-    @property
-    def rank_index(self) -> int:
-        """This rank's index among the data-parallel ranks, in [0, world_size)."""
-        index = 0
-        for group in self.groups:
-            index = index * dist.get_world_size(group) + dist.get_rank(group)
-        return index
 
     def agree_on_length(self, micro_steps: int, has_grad: Sequence[bool] = ()) -> list[bool] | None:
         """One MAX all-reduce of ``[has_grad..., r, -r]`` before a flushed window is reduced.
