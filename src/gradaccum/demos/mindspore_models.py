@@ -142,5 +142,5 @@ def build_mindspore_model(name: str, init: str = "torch", seed: int | None = Non
     model = build_model(name, init, seed)
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model {name!r} is not a plain Sequential")
-    model = apply_bn_mode(model, bn, None, steps=steps) if bn != "plain" else model
+    model = apply_bn_mode(model, bn, None, steps=steps)
     return to_mindspore(model)  # type: ignore[arg-type]
