@@ -5,7 +5,6 @@ All scenarios run in one msrun launch of tests/mindspore/dp_ranks.py (starting M
 costs a minute on two cores); each test below checks one behaviour of that run.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,6 @@ FLUSH_STEPS = 3
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    if importlib.util.find_spec("mindspore.parallel.cluster.run") is None:
-        pytest.skip("this MindSpore has no msrun launcher (mindspore.parallel.cluster.run)")
     out = tmp_path_factory.mktemp("msrun")
     run_msrun([str(Path(__file__).with_name("dp_ranks.py")), str(out)], out)
     return load_ranks(out)
