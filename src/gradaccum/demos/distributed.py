@@ -15,13 +15,16 @@ make the very windows of one process with micro-batch ``W*m`` x ``N`` steps.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Ranks", "current_ranks", "epoch_order", "init_from_env", "wrap"]
+__all__ = ["Log", "Ranks", "current_ranks", "epoch_order", "init_from_env", "rank_log", "wrap"]
+
+Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,17 @@ def epoch_order(n: int, seed: int, epoch: int, ranks: Ranks) -> torch.Tensor:
         items, num_replicas=ranks.world, rank=ranks.rank, shuffle=True, seed=seed * 1000)  # type: ignore[arg-type]
     sampler.set_epoch(epoch)  # DistributedSampler seeds its permutation with seed + epoch
     return torch.tensor(list(sampler), dtype=torch.int64)
+
+
+def rank_log(log: Log, ranks: Ranks) -> Log:
+    """``log`` on rank 0, a no-op on the others: rank 0 prints for all (they agree on every line).
+
+    Example:
+        >>> rank_log(print, Ranks()) is print, rank_log(print, Ranks(rank=1, world=2)) is print
+        (True, False)
+    """
+    return log if ranks.main else _drop
+
+
+def _drop(line: str) -> None:
+    """Drop a line."""

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from gradaccum.core import parse_schedule
 from gradaccum.demos.config import ConfigError, RunResult, TrainConfig
-from gradaccum.demos.distributed import Ranks, epoch_order
+from gradaccum.demos.distributed import Log, Ranks, epoch_order, rank_log
 from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mindspore_models import build_mindspore_model
@@ -35,7 +35,6 @@ from gradaccum.mindspore import Accumulator
 
 __all__ = ["evaluate", "init_msrun", "make_optimizer", "mindspore_ranks", "mnist_arrays", "run_mindspore"]
 
-Log = Callable[[str], None]
 
 
 def make_optimizer(name: str, params: list[Any], lr: float) -> msnn.Optimizer:
@@ -228,10 +227,6 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[list[float], float]:
     return losses, seconds
 
 
-def _quiet(line: str) -> None:
-    """Drop a line (ranks other than 0)."""
-
-
 def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
     """Run the seed experiment on MindSpore (CPU, fp32).
 
@@ -253,8 +248,7 @@ def run_mindspore(config: TrainConfig, log: Log = print) -> RunResult:
             checkpoints, torchrun), or data it cannot read.
     """
     run = _setup(config, log)
-    if not run.ranks.main:
-        log = _quiet  # rank 0 prints for all (window losses and parameters agree on every rank)
+    log = rank_log(log, run.ranks)  # window losses and parameters agree on every rank
     result = run_epochs(
         config, log, run.writer, train_epoch=lambda epoch: _train_epoch(run, epoch),
         evaluate=lambda: evaluate(run.model, run.x_test, run.y_test),

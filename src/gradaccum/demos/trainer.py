@@ -17,7 +17,7 @@ from torch import nn
 from gradaccum.core import parse_schedule
 from gradaccum.demos.checkpoint import Position, restore_rng, save_checkpoint
 from gradaccum.demos.config import ConfigError, EpochResult, RunResult, TrainConfig
-from gradaccum.demos.distributed import Ranks, current_ranks, epoch_order, wrap
+from gradaccum.demos.distributed import Log, Ranks, current_ranks, epoch_order, rank_log, wrap
 from gradaccum.demos.epochs import run_epochs
 from gradaccum.demos.interrupt import Interrupted, StopFlag
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
@@ -30,7 +30,6 @@ from gradaccum.torch.batchnorm.window import to_window_batchnorm
 
 __all__ = ["evaluate", "make_optimizer", "run_torch"]
 
-Log = Callable[[str], None]
 
 
 def make_optimizer(name: str, params: object, lr: float) -> torch.optim.Optimizer:
@@ -286,8 +285,7 @@ def run_torch(config: TrainConfig, log: Log = print, *, resume: dict[str, Any] |
         ConfigError: the data cannot be read, or the checkpoint does not fit.
         Interrupted: ``stop`` fired; the checkpoint is written (when ``config.out`` is set).
     """
-    if not current_ranks().main:
-        log = lambda line: None  # noqa: E731 - rank 0 prints for all (they agree on every line)
+    log = rank_log(log, current_ranks())
     run = _setup(config, log, resume, stop)
     result = run_epochs(
         config, log, run.writer, train_epoch=lambda epoch: _train_epoch(run, epoch),
