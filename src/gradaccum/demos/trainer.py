@@ -122,7 +122,6 @@ def _restore(run: _Run, state: dict[str, Any]) -> None:
     run.result.epochs = [EpochResult(**e) for e in run.position.epochs]
     run.result.seconds = run.position.run_seconds
     run.saved_windows = run.acc.windows
-    run.writer = MetricsWriter(run.config.out if run.ranks.main else None, run.position.records)
 
 
 def _setup(config: TrainConfig, log: Log, resume: dict[str, Any] | None, stop: StopFlag | None) -> _Run:
@@ -158,8 +157,8 @@ def _setup(config: TrainConfig, log: Log, resume: dict[str, Any] | None, stop: S
         _restore(run, resume)
         log(f"Resumed from {config.out}: epoch {run.position.epoch}, micro-batch "
             f"{run.position.micro_batch}, {acc.optimizer_steps} optimizer steps done")
-    else:
-        run.writer = MetricsWriter(config.out if ranks.main else None)
+    # After a restore that fits: a checkpoint that does not leaves metrics.jsonl as it was.
+    run.writer = MetricsWriter(config.out if ranks.main else None, run.position.records)
     run.started = time.perf_counter()
     return run
 
