@@ -18,16 +18,14 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
 
 from gradaccum.demos.config import ConfigError
 from gradaccum.demos.extras import MissingExtraError
-from gradaccum.demos.interrupt import Interrupted
+from gradaccum.demos.interrupt import Interrupted, handling
 
 __all__ = ["EXIT_FAILURE", "EXIT_MODEL", "EXIT_USAGE", "CommandError", "ModelError", "Parser",
            "UsageError", "model_raised", "one_line", "run_command"]
@@ -87,22 +85,10 @@ def model_raised(error: BaseException, code_files: set[str]) -> bool:
     return False
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Interrupted` (exit 143, no traceback) while a command runs;
-    commands that stop cleanly install their own handler over this one."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted(signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as :class:`Interrupted` (exit 143, no traceback) while a command runs; commands
+    that stop cleanly install their own handler over this one."""
+    raise Interrupted(signum)
 
 
 def _report(prog: str, line: str, debug: bool) -> None:
@@ -129,7 +115,7 @@ def run_command(prog: str, func: Callable[[argparse.Namespace], Any], args: argp
     """
     debug = debug_requested(args)
     try:
-        with _sigterm_interrupts():
+        with handling(_raise_interrupted, (signal.SIGTERM,)):
             return int(func(args) or 0)
     except Interrupted as stop:
         _report(prog, str(stop), debug)

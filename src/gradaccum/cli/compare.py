@@ -15,7 +15,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 from gradaccum.cli._errors import CommandError, UsageError
 from gradaccum.cli._options import check_device, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
-from gradaccum.demos.interrupt import SIGNALS, Interrupted
+from gradaccum.demos.interrupt import Interrupted, handling
 from gradaccum.demos.outputs import CHECKPOINT, atomic_write
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
@@ -123,13 +122,10 @@ def _run_child(cmd: list[str], label: str, run_dir: Path) -> int:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS} if main else {}
     try:
-        code = proc.wait()
+        with handling(forward):
+            code = proc.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if proc.poll() is None:  # an error here: leave no setting running on its own
             proc.kill()
             proc.wait()

@@ -10,13 +10,37 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["SIGNALS", "Interrupted", "StopFlag"]
+__all__ = ["SIGNALS", "Interrupted", "StopFlag", "handling"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+Handler = Callable[[int, FrameType | None], Any]
+
+
+@contextmanager
+def handling(handler: Handler, signals: Sequence[int] = SIGNALS) -> Iterator[None]:
+    """Handle ``signals`` with ``handler`` while the block runs, then restore the previous
+    handlers; off the main thread (where Python cannot set handlers) it changes nothing.
+
+    Example:
+        >>> with handling(lambda signum, frame: None):
+        ...     signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        True
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Interrupted(BaseException):
@@ -60,7 +84,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum = 0
-        self._previous: dict[int, Any] = {}
+        self._handling = handling(self._record)
 
     @property
     def requested(self) -> bool:
@@ -71,13 +95,9 @@ class StopFlag:
         self.signum = signum
 
     def __enter__(self) -> StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
+        self._handling.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        self._handling.__exit__(kind, error, tb)
