@@ -19,7 +19,6 @@ import torch
 from gradaccum.core.window import Window
 from gradaccum.torch._grads import scale_and_clip_
 from gradaccum.torch._precision import Precision
-from gradaccum.torch._state import is_nonzero
 from gradaccum.torch._window_loss import WindowLoss, sum_losses
 from gradaccum.torch.distributed.base import GradSync
 
@@ -97,7 +96,7 @@ def apply_window(window: Window, losses: Sequence[torch.Tensor], most: Any, sync
     if distributed:
         most = reduced
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
-    if window.summed and not is_nonzero(items):
+    if window.summed and not bool(items > 0):
         return Outcome(False, most=most)
     factor = window.grad_factor(items)
     loss = WindowLoss((loss_sum,) if distributed else tuple(losses), factor)

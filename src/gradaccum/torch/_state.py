@@ -11,7 +11,7 @@ import torch
 from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, nonneg_finite, param_signature
 from gradaccum.core.window import Window
 
-__all__ = ["FORMAT_VERSION", "check_state", "clone_scalar", "is_nonzero", "pack_state", "restore_grads",
+__all__ = ["FORMAT_VERSION", "check_state", "clone_scalar", "pack_state", "restore_grads",
            "snapshot_grads", "window_state"]
 
 
@@ -23,11 +23,6 @@ def snapshot_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
 def clone_scalar(value: Any) -> Any:
     """A copy of a tensor scalar (a number or None as it is)."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def is_nonzero(total: Any) -> bool:
-    """Whether a window's item total is > 0 (one host read for a tensor, once per window)."""
-    return bool(total > 0)
 
 
 def window_state(window: Window) -> dict[str, Any]:

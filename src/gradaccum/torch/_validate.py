@@ -92,8 +92,6 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
             raise ValueError(f"n_items={value} is beyond float64's exact integer range (2**53)")
     else:
         value = float(n_items)
-        if not math.isfinite(value):
-            raise ValueError(f"n_items must be finite, got {value}")
     _check_value(value, summed)
     return value
 
@@ -104,15 +102,14 @@ def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
     if n.dtype.is_complex or n.dtype == torch.bool:
         raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor")
     if n.device.type == "cpu":
-        value = float(n)
-        if not math.isfinite(value):
-            raise ValueError(f"n_items must be finite, got {value}")
-        _check_value(value, summed)
+        _check_value(float(n), summed)
     # float64: 1 / an integer tensor would round to float32; no host read on a device tensor.
     return n.detach().reshape(()).to(torch.float64)
 
 
 def _check_value(value: float, summed: bool) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"n_items must be finite, got {value}")
     if value < 0:
         raise ValueError(f"n_items must be >= 0, got {value}")
     if value == 0 and not summed:
