@@ -47,8 +47,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _environment() -> dict[str, str]:
-    # This checkout's library and tests, whatever the current directory and the installed copy.
+def environment() -> dict[str, str]:
+    """The environment of a launched process: this checkout's library and tests on PYTHONPATH
+    (whatever the current directory and the installed copy), gloo on loopback, one thread."""
     paths = [str(Path(gradaccum.__file__).parents[1]), str(REPO), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, paths))}
@@ -122,7 +123,7 @@ def run_ranks(module: str, out: Path, world: int = 2, timeout: float = 300.0) ->
         AssertionError: a rank failed or the run outlived ``timeout`` (every rank still running is
             then killed); the message holds every rank's exit status and log.
     """
-    env = {**_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
     logs = [out / f"rank{r}.log" for r in range(world)]
@@ -145,7 +146,7 @@ def torchrun(args: list[str], out: Path, world: int = 2, timeout: float = 240.0)
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
     log, err = out / "torchrun.log", out / "torchrun.err"
-    timed_out, codes = _launch([command], [_environment()], [log], timeout, errors=[err])
+    timed_out, codes = _launch([command], [environment()], [log], timeout, errors=[err])
     if timed_out or any(codes):
         raise AssertionError(_report("torchrun " + " ".join(args), timed_out, codes * 2, [log, err], timeout))
     return log.read_text(errors="replace")
@@ -237,10 +238,7 @@ PYTHON_DIR = str(Path(sys.executable).parent)
 
 def msrun_command(args: list[str], out: Path, world: int = 2) -> tuple[list[str], dict[str, str]]:
     """The msrun command line and environment for ``python ARGS`` on ``world`` local ranks."""
-    src = str(Path(gradaccum.__file__).parents[1])
-    env = {**os.environ, "PATH": os.pathsep.join([PYTHON_DIR, os.environ.get("PATH", "")]),
-           "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "GLOG_v": "3", "OMP_NUM_THREADS": "1"}
+    env = {**environment(), "PATH": os.pathsep.join([PYTHON_DIR, os.environ.get("PATH", "")]), "GLOG_v": "3"}
     command = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; "
                "sys.argv[0] = 'msrun'; sys.exit(main())",
                "--worker_num", str(world), "--local_worker_num", str(world),

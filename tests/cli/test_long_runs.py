@@ -13,17 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import gradaccum
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
 from tests.cli import run
-from tests.ranks import free_port
+from tests.ranks import environment, free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipes")
 
@@ -52,9 +50,7 @@ class Run:
     def __init__(self, args, tmp_path, command="train", launcher=("-m",)):
         read_end, write_end = os.pipe()
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: a run blocks soon
-        src = str(Path(gradaccum.__file__).parents[1])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {**environment(), "PYTHONUNBUFFERED": "1"}
         self.stderr_path = tmp_path / f"stderr-{len(list(tmp_path.glob('stderr-*')))}.txt"
         with open(self.stderr_path, "w") as err:
             # A session of its own: the test can end the whole tree (torchrun's ranks too).
