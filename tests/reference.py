@@ -73,3 +73,32 @@ def snapshot(model: nn.Module) -> list[torch.Tensor]:
 
 def bitwise_equal(model: nn.Module, saved: Sequence[torch.Tensor]) -> bool:
     return all(torch.equal(p, s) for p, s in zip(model.parameters(), saved, strict=True))
+
+
+VOCAB, PAD = 11, -100  # the tiny language model's vocabulary and padding target
+
+
+def tiny_lm(dtype: torch.dtype = torch.float64) -> nn.Module:
+    """An embedding, tanh and a linear head over :data:`VOCAB` tokens (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB)).to(dtype)
+
+
+def padded(n_seqs: int, max_len: int, seed: int,
+           empty: Iterable[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets with -100 padding; the sequences in ``empty`` have no target."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
+    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=g)
+    targets = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
+    targets[torch.arange(max_len) >= lengths[:, None]] = PAD
+    for i in empty:
+        targets[i] = PAD
+    return tokens, targets
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+            reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the real (non-:data:`PAD`) targets."""
+    return nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(),
+                                       ignore_index=PAD, reduction=reduction)

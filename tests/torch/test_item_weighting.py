@@ -9,31 +9,19 @@ import torch
 from torch import nn
 
 import gradaccum
-from tests.reference import assert_params_close, bitwise_equal, clone_model, data, mlp, snapshot
-
-VOCAB, PAD = 11, -100
-
-
-def tiny_lm(dtype=torch.float64):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB)).to(dtype)
-
-
-def padded(n_seqs, max_len, seed, empty=()):
-    """Token ids and targets with -100 padding; the sequences in ``empty`` have no target."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
-    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=g)
-    targets = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
-    targets[torch.arange(max_len) >= lengths[:, None]] = PAD
-    for i in empty:
-        targets[i] = PAD
-    return tokens, targets
-
-
-def lm_loss(model, tokens, targets, reduction="mean"):
-    return nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(),
-                                       ignore_index=PAD, reduction=reduction)
+from tests.reference import (
+    PAD,
+    VOCAB,
+    assert_params_close,
+    bitwise_equal,
+    clone_model,
+    data,
+    lm_loss,
+    mlp,
+    padded,
+    snapshot,
+    tiny_lm,
+)
 
 
 def full_batch_step(ref, opt, tokens, targets):

@@ -2,31 +2,9 @@
 
 import pytest
 import torch
-from torch import nn
 
 import gradaccum
-from tests.reference import assert_params_close, clone_model
-
-VOCAB, PAD = 11, -100
-
-
-def tiny_lm(dtype):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB)).to(dtype)
-
-
-def padded_batch(n_seqs, max_len, seed):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
-    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=g)
-    targets = torch.randint(0, VOCAB, (n_seqs, max_len), generator=g)
-    targets[torch.arange(max_len) >= lengths[:, None]] = PAD  # padding does not count
-    return tokens, targets
-
-
-def token_loss(model, tokens, targets):
-    logits = model(tokens)
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD)
+from tests.reference import PAD, assert_params_close, clone_model, lm_loss, padded, tiny_lm
 
 
 def run(weighted, dtype, steps=4, windows=3, micro=3, max_len=9):
@@ -36,12 +14,12 @@ def run(weighted, dtype, steps=4, windows=3, micro=3, max_len=9):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     acc = gradaccum.Accumulator(opt, steps)
     for w in range(windows):
-        tokens, targets = padded_batch(steps * micro, max_len, seed=w)
+        tokens, targets = padded(steps * micro, max_len, seed=w)
         for tb, yb in zip(tokens.split(micro), targets.split(micro), strict=True):
             n = int((yb != PAD).sum()) if weighted else None
-            acc.backward(token_loss(model, tb, yb), n_items=n)
+            acc.backward(lm_loss(model, tb, yb), n_items=n)
         ref_opt.zero_grad()
-        token_loss(ref, tokens, targets).backward()  # mean over every real token of the window
+        lm_loss(ref, tokens, targets).backward()  # mean over every real token of the window
         ref_opt.step()
     return model, ref
 
@@ -63,10 +41,10 @@ def test_item_count_as_a_tensor():
     model = tiny_lm(torch.float64)
     ref = clone_model(model)
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 2)
-    tokens, targets = padded_batch(6, 7, seed=3)
+    tokens, targets = padded(6, 7, seed=3)
     for tb, yb in zip(tokens.split(3), targets.split(3), strict=True):
-        acc.backward(token_loss(model, tb, yb), n_items=(yb != PAD).sum())
+        acc.backward(lm_loss(model, tb, yb), n_items=(yb != PAD).sum())
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    token_loss(ref, tokens, targets).backward()
+    lm_loss(ref, tokens, targets).backward()
     opt.step()
     assert_params_close(model, ref, torch.float64)
