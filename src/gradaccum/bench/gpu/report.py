@@ -10,7 +10,7 @@ from typing import Any
 
 from gradaccum.bench.gpu.check import to_jsonable
 
-__all__ = ["SMOKE_VERDICT", "Row", "exit_status", "markdown", "table", "verdict", "write_report"]
+__all__ = ["SMOKE_VERDICT", "Row", "exit_status", "markdown", "summary", "table", "verdict", "write_report"]
 
 SMOKE_VERDICT = "no CUDA: smoke"
 
@@ -93,14 +93,19 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def markdown(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: float) -> str:
-    """The report: the machine, the table of checks, then every raw number of each check."""
+def summary(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: float) -> str:
+    """The report's head: the machine and the table of checks (what the command prints)."""
     lines = ["# GPU check", "",
              f"`bash scripts/gpu_check.sh`, mode **{mode}**, {seconds:.0f} s in all. "
              "Raw numbers: below and in `report.json`; each check's log: `logs/`.", "",
              "| setting | value |", "|---|---|"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in machine.items()]
-    lines += ["", *table(rows), "", "## Raw numbers", ""]
+    return "\n".join([*lines, "", *table(rows)])
+
+
+def markdown(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: float) -> str:
+    """The report: :func:`summary`, then every raw number of each check."""
+    lines = [summary(rows, machine, mode, seconds), "", "## Raw numbers", ""]
     for i, row in enumerate(rows, 1):
         lines += [f"### {i}. {row.name}: {row.status}, {row.seconds:.1f} s", "", "```json",
                   json.dumps(to_jsonable(row.raw), indent=1), "```", ""]
@@ -109,11 +114,10 @@ def markdown(rows: Sequence[Row], machine: dict[str, str], mode: str, seconds: f
 
 def write_report(out: Path, rows: Sequence[Row], machine: dict[str, str], mode: str,
                  seconds: float) -> str:
-    """Write ``report.md`` and ``report.json`` into ``out``; return the markdown."""
-    text = markdown(rows, machine, mode, seconds)
-    (out / "report.md").write_text(text)
+    """Write ``report.md`` and ``report.json`` into ``out``; return the report's :func:`summary`."""
+    (out / "report.md").write_text(markdown(rows, machine, mode, seconds))
     payload = {"mode": mode, "seconds": round(seconds, 1), "machine": machine,
                "exit_status": exit_status(rows),
                "checks": [{**asdict(r), "verdict": verdict(r)} for r in rows]}
     (out / "report.json").write_text(json.dumps(to_jsonable(payload), indent=1) + "\n")
-    return text
+    return summary(rows, machine, mode, seconds)

@@ -199,7 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = {**describe_machine(), "device": device,
                "check_threads": "1 (smoke)" if device == "cpu" else "torch's default",
                "date": time.strftime("%Y-%m-%d %H:%M %Z")}
-    text = write_report(args.out, rows, machine, mode, time.time() - start)
-    print(text[:text.index("## Raw numbers")].rstrip())
+    print(write_report(args.out, rows, machine, mode, time.time() - start))
     print(f"written: {args.out / 'report.md'}, {args.out / 'report.json'}")
     return exit_status(rows)
