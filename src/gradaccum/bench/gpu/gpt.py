@@ -14,7 +14,7 @@ from gradaccum.demos.gpt import GPTConfig
 
 __all__ = ["GPT_100M", "GPT_SMALL", "GPT_TINY", "IGNORE", "gpt_loss", "token_batches"]
 
-IGNORE = -1  # target of a padding position (cross_entropy's ignore_index, as nanoGPT)
+IGNORE = GPTConfig.ignore_index  # target of a padding position (-1, as nanoGPT)
 
 
 GPT_100M = GPTConfig(vocab_size=16384, block_size=1024, n_layer=12, n_head=12, n_embd=768)
