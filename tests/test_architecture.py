@@ -1,6 +1,9 @@
 """The shape of the package: no import cycle, floors that never import upwards, a lean
-``import gradaccum``, small modules, and every public name of 0.1.0 still importable."""
+``import gradaccum``, and every public name of 0.1.0 still importable. Module sizes are a
+printed report (scripts/module_report.py), not a gate."""
 
+import importlib
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -66,14 +69,13 @@ def test_import_gradaccum_needs_neither_tqdm_nor_matplotlib():
     assert out.stdout.strip() == "[]"
 
 
-def test_torch_adapter_has_at_most_twelve_top_level_modules():
-    assert len(list((SRC / "torch").glob("*.py"))) <= 12
-
-
-def test_no_library_module_over_350_lines():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 350}
-    assert not long
+def test_the_module_report_lists_every_module(capsys):
+    report = runpy.run_path(str(SRC.parents[1] / "scripts" / "module_report.py"))
+    lines = report["module_lines"]()
+    assert set(lines) == {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")}
+    text = report["report"](lines, over=10**6)
+    assert "torch/accumulator.py" not in text and "  accumulator.py" in text  # per folder
+    assert text.endswith(f"total: {len(lines)} modules, {sum(lines.values())} lines; 0 over 1000000")
 
 
 def test_every_public_name_of_0_1_0_still_imports():
@@ -82,8 +84,12 @@ def test_every_public_name_of_0_1_0_still_imports():
     assert set(PUBLIC_0_1_0) <= set(gradaccum.__all__)
     for name in PUBLIC_0_1_0:
         assert getattr(gradaccum, name) is not None
+    # Hazard and TensorDiff are not top-level names: compared with their defining modules, so
+    # that no name is compared with itself.
+    origins = {"Hazard": "gradaccum.torch.check.hazards", "TensorDiff": "gradaccum.torch.check.report"}
     for name in TORCH_0_1_0:
-        assert getattr(gradaccum.torch, name) is getattr(gradaccum, name, getattr(gradaccum.torch, name))
+        home = importlib.import_module(origins[name]) if name in origins else gradaccum
+        assert getattr(gradaccum.torch, name) is getattr(home, name)
 
 
 def test_the_version_is_written_once():

@@ -1,6 +1,7 @@
 import pytest
 
 from gradaccum.core import Window
+from gradaccum.core.window import provisional_total
 
 
 def test_full_mean_window_needs_no_pass():
@@ -63,3 +64,51 @@ def test_resize_only_at_boundary():
 def test_window_size_is_validated(bad):
     with pytest.raises((TypeError, ValueError), match="steps"):
         Window.open(bad)
+
+
+def test_the_window_is_an_immutable_record():
+    w = Window.open(2)
+    nxt = w.advance(3, scale=6, losses=(("loss", 3),))
+    assert (w.micro_step, w.items, w.losses) == (0, 0, ())  # the old record is as it was
+    assert (nxt.micro_step, nxt.items, nxt.scale, nxt.losses) == (1, 3, 6, (("loss", 3),))
+    with pytest.raises(AttributeError):
+        nxt.items = 4
+
+
+def test_the_scale_is_fixed_by_the_first_micro_batch():
+    w = Window.open(3).advance(2, scale=6).advance(5, scale=99)
+    assert w.scale == 6 and w.items == 7
+
+
+def test_provisional_total_is_n_times_the_count_and_never_zero():
+    assert provisional_total(4, 3) == 12
+    assert provisional_total(0, 3) == 3  # a window of summed losses with no item
+    assert provisional_total(2.5, 2) == 5.0
+
+
+@pytest.mark.parametrize("counts, basis", [([4, 4], 4), ([4, 2, 6], 4), ([3, 4], 3.5)])
+def test_the_next_window_derives_from_this_windows_mean_count(counts, basis):
+    w = Window.open(len(counts))
+    for n in counts:
+        w = w.advance(n, scale=provisional_total(w.first_count(n), w.size))
+    got = w.next_basis()
+    assert got == basis and type(got) is type(basis)  # an even total stays an int (exact P)
+
+
+def test_equal_counts_give_a_correction_of_exactly_one():
+    w = Window.open(3, basis=4)
+    for _ in range(3):
+        w = w.advance(4, scale=provisional_total(w.first_count(4), 3))
+    assert w.scale == 12 and w.grad_factor() == 1.0
+
+
+def test_the_basis_is_carried_by_mean_windows_and_resizes():
+    w = Window.open(2, basis=5).advance(None).advance(None)
+    assert w.next_basis() == 5
+    assert Window.open(2, basis=5).resized(4).basis == 5
+
+
+def test_the_loss_denominator_is_the_micro_steps_or_the_item_total():
+    assert Window.open(4).advance(None).loss_denominator() == 1
+    assert Window.open(4).advance(3).advance(5).loss_denominator() == 8
+    assert Window.open(4).advance(3).loss_denominator(items=6.5) == 6.5

@@ -71,13 +71,14 @@ def counted(ddp: DDP) -> dict[str, int]:
 
 
 def windows_run(rank: int, world: int, sync: str | None) -> dict[str, Any]:
-    """WINDOWS full windows; ``sync=None`` passes no model (DDP syncs every backward)."""
+    """WINDOWS full windows; ``sync=None`` passes no model and ``sync="local"`` (DDP syncs every
+    backward, gradaccum does nothing across ranks)."""
     ddp = DDP(mlp())
     count = counted(ddp)
     opt = make_optimizer("sgd", ddp.parameters())
     step_grads: list[Any] = []
     opt.register_step_pre_hook(lambda *_: step_grads.append(grads_of(ddp)))
-    options: dict[str, Any] = {} if sync is None else {"model": ddp, "sync": sync}
+    options: dict[str, Any] = {"sync": "local"} if sync is None else {"model": ddp, "sync": sync}
     acc = gradaccum.Accumulator(opt, STEPS, **options)
     calls, off_grads, losses, unchanged, windows = [], [], [], True, []
     for w in range(WINDOWS):

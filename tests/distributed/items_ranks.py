@@ -8,7 +8,6 @@ under the torchrun environment (see tests/ranks.py).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -99,11 +98,42 @@ def raw_module_forward(rank: int, world: int) -> dict[str, Any]:
             "steps": acc.optimizer_steps, "micro_step": acc.micro_step}
 
 
-def model_none_warns(rank: int, world: int) -> dict[str, Any]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gradaccum.Accumulator(make_optimizer("sgd", mlp().parameters()), 2)
-    return {"warnings": [str(w.message) for w in caught]}
+def model_none_raises(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ddp = DDP(mlp())
+    for name, model in (("none", None), ("module", ddp.module)):
+        try:
+            gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), 2, model=model)
+            out[name] = "no error"
+        except ValueError as error:
+            out[name] = str(error)
+    # The opt-out: ranks that train independently on purpose.
+    local = gradaccum.Accumulator(make_optimizer("sgd", mlp().parameters()), 2, sync="local")
+    out["local_world"] = local.world_size
+    return out
+
+
+def fp16_skips(rank: int, world: int, mode: str, windows: int = 8, steps: int = 4) -> int:
+    """Windows a GradScaler skips for fp16 autocast under DDP, with or without token counts."""
+    torch.manual_seed(0)
+    vocab, tokens = 50, 256
+    ddp = DDP(torch.nn.Sequential(torch.nn.Embedding(vocab, 16), torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                  torch.nn.Linear(64, vocab)))
+    acc = gradaccum.Accumulator(torch.optim.SGD(ddp.parameters(), lr=1e-3), steps, model=ddp,
+                                scaler=torch.amp.GradScaler("cpu"))
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(windows * steps):
+        ids = torch.randint(0, vocab, (tokens,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = cross_entropy(ddp(ids), ids)
+        if mode == "scaled_by_n_over_N":  # what 0.2.0's first window under DDP did (P = N)
+            loss = loss * (tokens / steps)
+        acc.backward(loss, n_items=tokens if mode == "weighted" else None)
+    return acc.skipped_windows
+
+
+def fp16_first_window(rank: int, world: int) -> dict[str, Any]:
+    return {mode: fp16_skips(rank, world, mode) for mode in ("plain", "weighted", "scaled_by_n_over_N")}
 
 
 if __name__ == "__main__":
@@ -112,5 +142,6 @@ if __name__ == "__main__":
         "summed_tensors": lambda r, w: summed_windows(r, w, COUNTS, tensors=True),
         "all_empty": all_empty,
         "raw_module_forward": raw_module_forward,
-        "model_none_warns": model_none_warns,
+        "model_none_raises": model_none_raises,
+        "fp16_first_window": fp16_first_window,
     })

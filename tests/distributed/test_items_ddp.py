@@ -33,6 +33,16 @@ def test_a_forward_through_the_unwrapped_module_raises_at_the_boundary(ranks):
         assert r["steps"] == 1 and r["micro_step"] == 0  # the failed window was dropped
 
 
-def test_model_none_under_a_process_group_warns(ranks):
-    for r in scenario(ranks, "model_none_warns"):
-        assert any("will not average gradients" in w for w in r["warnings"])
+def test_a_model_that_is_not_ddp_under_a_process_group_raises_on_every_rank(ranks):
+    # 0.2.0 warned, then each rank normalized by its own item total: the ranks drifted apart.
+    for r in scenario(ranks, "model_none_raises"):
+        assert "model=None while a process group of 2 ranks" in r["none"]
+        assert "sync='local'" in r["none"] and "model=Sequential" in r["module"]
+        assert r["local_world"] == 1
+
+
+def test_fp16_with_n_items_under_ddp_skips_no_more_windows_than_without(ranks):
+    # The first window's provisional total is agreed by the ranks (one small all-reduce), so token
+    # counts scale no backward by n/N: 0.2.0 used P = N there and overflowed fp16.
+    for r in scenario(ranks, "fp16_first_window"):
+        assert r["weighted"] <= r["plain"] < r["scaled_by_n_over_N"]

@@ -127,7 +127,10 @@ def window_from_record(w: Any) -> Window:
     if isinstance(scale, (bool, str)) or (
             isinstance(scale, Real) and not (nonneg_finite(scale) and float(scale) > 0)):
         raise ValueError(f"state['window']['scale'] must be None or a number > 0, got {scale!r}")
-    return Window(size, micro, weighting, items, scale, summed)
+    basis = w.get("basis")
+    if isinstance(basis, (bool, str)) or (isinstance(basis, Real) and not nonneg_finite(basis)):
+        raise ValueError(f"state['window']['basis'] must be None or a finite number >= 0, got {basis!r}")
+    return Window(size, micro, weighting, items, scale, summed, basis)
 
 
 def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
@@ -141,7 +144,7 @@ def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
             f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}")
 
 
-def nonneg_finite(x: Real) -> bool:
+def nonneg_finite(x: Real | float) -> bool:
     """``x`` is a finite number >= 0 (a saved count or scale)."""
     return math.isfinite(float(x)) and float(x) >= 0
 

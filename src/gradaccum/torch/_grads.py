@@ -47,6 +47,9 @@ def scale_grads_(grads: Sequence[torch.Tensor], factor: Any) -> None:
     if not isinstance(factor, torch.Tensor):
         torch._foreach_mul_(list(grads), float(factor))
         return
+    if all(g.device == factor.device for g in grads):
+        torch._foreach_mul_(list(grads), factor)
+        return
     for device, group in group_by_device(grads).items():
         torch._foreach_mul_(group, factor.to(device))
 

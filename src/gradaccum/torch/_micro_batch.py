@@ -17,17 +17,17 @@ class MicroBatch:
     """One micro-batch fed by several backward calls; see ``Accumulator.micro_batch``.
 
     Args:
-        backward: runs one loss's backward with the micro-batch's loss factor.
-        factor: the factor every loss of this micro-batch is scaled by.
+        backward: runs one loss's backward with the micro-batch's weight and returns its
+            ``(loss, weight)`` part of the window's loss.
 
     Attributes:
         stepped: after the block, True when the micro-batch completed a window that stepped.
         closed: True once the ``with`` block has ended (``backward`` then raises).
     """
 
-    def __init__(self, backward: Callable[[torch.Tensor, Any], None], factor: Any) -> None:
+    def __init__(self, backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]) -> None:
         self._backward = backward
-        self._factor = factor
+        self.parts: list[tuple[torch.Tensor, Any]] = []
         self.stepped = False
         self.closed = False
 
@@ -42,13 +42,13 @@ class MicroBatch:
             raise RuntimeError("this micro-batch's with-block has ended: open a new one with "
                                "acc.micro_batch()")
         check_loss(loss)
-        self._backward(loss, self._factor)
+        self.parts.append(self._backward(loss))
 
 
 @contextmanager
-def micro_batch_block(backward: Callable[[torch.Tensor, Any], None], factor: Any) -> Iterator[MicroBatch]:
+def micro_batch_block(backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]) -> Iterator[MicroBatch]:
     """A :class:`MicroBatch` open for the ``with`` block and closed when it ends (also on error)."""
-    mb = MicroBatch(backward, factor)
+    mb = MicroBatch(backward)
     try:
         yield mb
     finally:

@@ -131,14 +131,20 @@ class Precision:
         self._unscaled = False  # unscale_ ran for this window, update() not yet
         self.skip_nonfinite = skip_nonfinite
         self.buffers = buffers if buffers else None
+        self.stepped_before_error = False  # step() raised after the optimizer had stepped
+        # Backward passes weighted by a count (n_i, hundreds of tokens) can overflow a GradScaler's
+        # fp16 range or float16 gradients: there they are kept at a mean's scale (core.window).
+        self.overflow_prone = self._scaler is not None or any(p.dtype == torch.float16 for p in params)
+        self._params = list(params)
         wide = set() if self.buffers is None else {id(p) for p in self.buffers.params}
         self._native = [p for p in params if id(p) not in wide]
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward one micro-batch's (already weighted) loss, scaled by an active scaler, then
-        fold narrow gradients into the wide buffers: the only per-micro-step work here."""
+    def backward(self, loss: torch.Tensor, seed: torch.Tensor | None) -> None:
+        """Backward one micro-batch's loss from ``seed`` (its weight in the window), scaled by an
+        active scaler, then fold narrow gradients into the wide buffers: the only per-micro-step
+        work here."""
         scaler = self._scaler
-        (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+        (loss if scaler is None else scaler.scale(loss)).backward(seed)  # type: ignore[no-untyped-call]
         if self.buffers is not None:
             self.buffers.collect()
 
@@ -164,14 +170,17 @@ class Precision:
             ``(stepped, norm)``: ``norm`` is computed here (one foreach pass) when the non-finite
             check needs it and clipping did not.
         """
+        self.stepped_before_error = False
         scaler = self._scaler
         if scaler is not None:
             found_inf = scaler_found_inf(scaler, self.optimizer)
             if not found_inf:
                 self._publish()
-            scaler.step(self.optimizer)
+            self._watched(scaler.step, self.optimizer)
+            self.stepped_before_error = not found_inf  # update() may raise now
             scaler.update()
             self._unscaled = False
+            self.stepped_before_error = False
             return not found_inf, norm
         if self.skip_nonfinite and grads:
             if norm is None:
@@ -179,8 +188,19 @@ class Precision:
             if not bool(torch.isfinite(norm)):
                 return False, norm
         self._publish()
-        self.optimizer.step()
+        self._watched(self.optimizer.step)
         return True, norm
+
+    def _watched(self, step: Any, *args: Any) -> None:
+        """Run ``step``; if it raises, record whether the parameters changed first (an optimizer
+        post-hook raising after the update): the accumulator then still counts the step."""
+        probe = next((p for p in self._params if p.grad is not None), None)
+        before = None if probe is None else _version(probe)
+        try:
+            step(*args)
+        except BaseException:
+            self.stepped_before_error = probe is not None and _version(probe) != before
+            raise
 
     def _publish(self) -> None:
         if self.buffers is not None:
@@ -215,6 +235,11 @@ class Precision:
         """Restore the wide buffers (after :meth:`check_state`)."""
         if self.buffers is not None:
             self.buffers.load_state_dict(state)
+
+
+def _version(p: torch.Tensor) -> int:
+    """The in-place version counter of a parameter's values (an FSDP2 DTensor's local shard)."""
+    return int(getattr(p, "_local_tensor", p)._version)
 
 
 def _check_accum_dtype(accum_dtype: Any) -> torch.dtype:

@@ -1,4 +1,10 @@
-"""Checkpointable accumulator state: pack, validate every field, restore partial gradients."""
+"""Checkpointable accumulator state: the window record plus the gradients, every field checked.
+
+``state_dict()`` is the :class:`~gradaccum.core.window.Window` record (its losses summed into
+``loss_sum``) plus copies of the partial gradients. ``load_state_dict`` checks every field, the
+tensors' device, layout, dtype, shape and the values of tensor-valued fields, before it changes
+anything.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,10 @@ import torch
 
 from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, nonneg_finite, param_signature
 from gradaccum.core.window import Window
+from gradaccum.torch._window_loss import weighted_sum
 
 __all__ = ["FORMAT_VERSION", "check_state", "clone_scalar", "pack_state", "restore_grads",
-           "snapshot_grads", "window_state"]
+           "restore_window", "snapshot_grads"]
 
 
 def snapshot_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -25,79 +32,104 @@ def clone_scalar(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def window_state(window: Window) -> dict[str, Any]:
-    """The window as checkpoint values (tensor totals are copied)."""
-    return {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
-            "items": clone_scalar(window.items), "scale": clone_scalar(window.scale), "summed": window.summed}
-
-
-def pack_state(window: Window, steps: Any, counters: dict[str, int], loss_sum: torch.Tensor | None,
-               window_loss: torch.Tensor | None, most_items: tuple[Any, Any], params: Sequence[torch.Tensor],
-               accum: Any) -> dict[str, Any]:
-    """The accumulator's state as a checkpoint record (tensors copied, so later micro-batches
-    leave it as it was)."""
+def pack_state(window: Window, steps: Any, counters: dict[str, int], window_loss: torch.Tensor | None,
+               params: Sequence[torch.Tensor], accum: Any) -> dict[str, Any]:
+    """The accumulator's state: the window record, the counters and copies of the gradients
+    (tensors copied, so later micro-batches leave it as it was)."""
     return {
         "version": FORMAT_VERSION,
         "steps": steps,
-        "window": window_state(window),
+        "window": {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
+                   "items": clone_scalar(window.items), "scale": clone_scalar(window.scale),
+                   "summed": window.summed, "basis": clone_scalar(window.basis)},
         **counters,
-        "loss_sum": clone_scalar(loss_sum),
+        "loss_sum": clone_scalar(weighted_sum(window.losses)),
         "window_loss": clone_scalar(window_loss),
-        "most_items": clone_scalar(most_items[0]),
-        "window_most_items": clone_scalar(most_items[1]),
         "param_signature": param_signature(params),
         "grads": snapshot_grads(params),
         "accum": accum,
     }
 
 
+def restore_window(state: dict[str, Any], window: Window) -> Window:
+    """The checked ``window`` with its losses and, for a 0.2.0 state (no ``basis``), the basis
+    its largest count gives and its loss sum brought to this version's unscaled form."""
+    loss_sum = state.get("loss_sum")
+    if "basis" not in state["window"]:  # 0.2.0: losses were saved times 1/N or n_i/P
+        window = window._replace(basis=state.get("most_items"))
+        if loss_sum is not None:
+            loss_sum = loss_sum * (window.size if window.weighting == "mean" else window.scale)
+    losses = () if loss_sum is None or window.empty else ((clone_scalar(loss_sum), 1),)
+    return window._replace(losses=losses)
+
+
 def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Window:
     """Check every field :meth:`Accumulator.load_state_dict` will use, before anything changes.
 
     Returns:
-        The saved window.
+        The saved window (without its losses: :func:`restore_window` adds them).
 
     Raises:
         TypeError: ``state`` is not a mapping from :meth:`Accumulator.state_dict`, or a field
             has the wrong type (the message names the key).
         ValueError: another format version, another ``steps``, other parameters, a missing key
-            or a value out of range (named).
+            or a value out of range (named): a negative, NaN or infinite count, a gradient on
+            another device, sparse, of another dtype or shape.
     """
     window = check_state_record(state, steps, param_signature(params))
     saved = state["window"]
-    for name, value, numbers_ok in (("state['window']['items']", saved["items"], True),
-                                    ("state['window']['scale']", saved.get("scale"), True),
-                                    ("state['most_items']", state.get("most_items"), True),
-                                    ("state['window_most_items']", state.get("window_most_items"), True),
-                                    ("state['loss_sum']", state.get("loss_sum"), False),
-                                    ("state['window_loss']", state.get("window_loss"), False)):
-        _check_scalar(name, value, numbers_ok)
+    for name, value, count in (("state['window']['items']", saved["items"], True),
+                               ("state['window']['scale']", saved.get("scale"), True),
+                               ("state['window']['basis']", saved.get("basis"), True),
+                               ("state['most_items']", state.get("most_items"), True),
+                               ("state['loss_sum']", state.get("loss_sum"), False),
+                               ("state['window_loss']", state.get("window_loss"), False)):
+        _check_scalar(name, value, count)
     for i, (p, g) in enumerate(zip(params, state["grads"], strict=True)):
-        if g is None:
-            continue
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(f"state['grads'][{i}] must be a tensor or None, got {type(g).__name__}")
-        if g.shape != p.shape:
-            raise ValueError(f"state['grads'][{i}] has shape {tuple(g.shape)}, its parameter "
-                             f"{tuple(p.shape)}")
+        if g is not None:
+            _check_grad(f"state['grads'][{i}]", p, g)
     return window
 
 
-def _check_scalar(name: str, value: Any, numbers_ok: bool) -> None:
-    """None, a 0-dim real tensor, or (``numbers_ok``) a finite number >= 0."""
+def _check_scalar(name: str, value: Any, count: bool) -> None:
+    """None, a 0-dim real tensor, or (``count``) a finite number >= 0; a count's tensor holds
+    one too."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a 0-dim real tensor, got {value.dtype} of shape "
                              f"{tuple(value.shape)}")
+        if value.layout != torch.strided or value.is_meta:
+            raise ValueError(f"{name} must be a dense tensor with a value, got {value.layout} on "
+                             f"{value.device}")
+        if count and not nonneg_finite(value.item()):  # a load may read a device value once
+            raise ValueError(f"{name} must be finite and >= 0, got {float(value)}")
         return
-    if numbers_ok and isinstance(value, Real) and not isinstance(value, bool):
+    if count and isinstance(value, Real) and not isinstance(value, bool):
         if not nonneg_finite(value):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         return
-    raise TypeError(f"{name} must be {'a number, ' if numbers_ok else ''}a 0-dim tensor or None, "
+    raise TypeError(f"{name} must be {'a number, ' if count else ''}a 0-dim tensor or None, "
                     f"got {type(value).__name__}")
+
+
+def _check_grad(name: str, p: torch.Tensor, g: Any) -> None:
+    """A saved gradient a parameter can take: a dense, real floating tensor of its shape, on a
+    device that holds values (a CPU copy loads onto the parameter's device)."""
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(g).__name__}")
+    if g.shape != p.shape:
+        raise ValueError(f"{name} has shape {tuple(g.shape)}, its parameter {tuple(p.shape)}")
+    if g.layout != torch.strided or g.is_meta:
+        raise ValueError(f"{name} must be a dense tensor with values, got {g.layout} on {g.device}")
+    if not g.dtype.is_floating_point:
+        raise ValueError(f"{name} has dtype {g.dtype}, its parameter {p.dtype}: a gradient is a "
+                         "real floating tensor")
+    if g.dtype != p.dtype:
+        raise ValueError(f"{name} has dtype {g.dtype}, its parameter {p.dtype}")
+    if g.device != p.device and g.device.type != "cpu":
+        raise ValueError(f"{name} is on {g.device}, its parameter on {p.device}")
 
 
 def restore_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

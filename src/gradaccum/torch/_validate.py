@@ -9,7 +9,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-__all__ = ["MAX_EXACT_ITEMS", "Items", "Reduction", "Scheduler", "check_items", "check_loss", "check_parts"]
+__all__ = ["MAX_EXACT_ITEMS", "Items", "Reduction", "Scheduler", "check_items", "check_loss", "check_parts",
+           "check_total"]
 
 Reduction = Literal["mean", "sum"]
 Items = int | float | torch.Tensor | None  # a count or weight of one micro-batch
@@ -21,7 +22,8 @@ class Scheduler(Protocol):
     def step(self) -> Any: ...
 
 
-# Item totals are divided in float64: beyond 2**53 an integer count is no longer exact there.
+# Item totals are summed and divided in float64: beyond 2**53 an integer count is no longer exact
+# there. The same limit holds for a count, a weight and a window's total, as a number or a tensor.
 MAX_EXACT_ITEMS = 2**53
 
 
@@ -66,13 +68,14 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
     micro-step.
 
     Returns:
-        ``None``, an ``int``, a ``float``, or a 0-dim float64 tensor (a count or a weight).
+        ``None``, an ``int``, a ``float``, or a 0-dim tensor of its own dtype (a count or a
+        weight; the caller's tensor itself when it already is one: it is read, not changed).
 
     Raises:
         TypeError: a string, bool, complex or other non-number; ``reduction`` not a string.
-        ValueError: negative, NaN, inf, an integer beyond float64's exact range, a tensor with
-            more than one element, 0 with ``reduction="mean"``, ``None`` with ``"sum"``, or an
-            unknown ``reduction``.
+        ValueError: negative, NaN, inf, above 2**53 (float64's exact integer range), a tensor
+            with more than one element, 0 with ``reduction="mean"``, ``None`` with ``"sum"``, or
+            an unknown ``reduction``.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {_short(reduction)}")
@@ -86,30 +89,52 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
         return _check_tensor(n_items, summed)
     if isinstance(n_items, bool) or not isinstance(n_items, Real):
         raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {_short(n_items)}")
-    if isinstance(n_items, Integral):
-        value: int | float = int(n_items)
-        if value > MAX_EXACT_ITEMS:
-            raise ValueError(f"n_items={value} is beyond float64's exact integer range (2**53)")
-    else:
-        value = float(n_items)
+    value: int | float = int(n_items) if isinstance(n_items, Integral) else float(n_items)
     _check_value(value, summed)
     return value
 
 
+_REAL_DTYPES = frozenset(d for d in vars(torch).values()
+                         if isinstance(d, torch.dtype) and not d.is_complex and d != torch.bool)
+
+
 def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
-    if n.numel() != 1:
-        raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
-    if n.dtype.is_complex or n.dtype == torch.bool:
+    # This runs on every micro-step of the language-model path: attribute reads only, and no
+    # kernel (tolist reads a CPU value without one; a device value is not read at all).
+    if n.dtype not in _REAL_DTYPES:
         raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor")
-    if n.device.type == "cpu":
-        _check_value(float(n), summed)
-    # float64: 1 / an integer tensor would round to float32; no host read on a device tensor.
-    return n.detach().reshape(()).to(torch.float64)
+    if n.ndim:
+        if n.numel() != 1:
+            raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
+        n = n.reshape(())
+    if n.is_cpu:
+        _check_value(float(n.tolist()), summed)  # type: ignore[arg-type]
+    # No copy: the window's total starts as a wide copy (gradaccum.torch._weights).
+    return n.detach() if n.requires_grad else n
+
+
+def check_total(total: Any) -> None:
+    """Raise before a micro-batch's backward if the window's item total (a number or a CPU
+    tensor, read without a kernel) leaves the exact range: beyond it the normalization would
+    round, and towards float64's limit overflow to non-finite parameters.
+
+    Raises:
+        ValueError: the total is above 2**53.
+    """
+    if isinstance(total, torch.Tensor):
+        if total.device.type != "cpu":
+            return
+        total = total.tolist()
+    if total > MAX_EXACT_ITEMS:
+        raise ValueError(f"the window's item total {total!r} would pass 2**53, the exact range of the "
+                         "float64 normalization: pass smaller counts (e.g. a mean weight per item)")
 
 
 def _check_value(value: float, summed: bool) -> None:
     if not math.isfinite(value):
         raise ValueError(f"n_items must be finite, got {value}")
+    if value > MAX_EXACT_ITEMS:
+        raise ValueError(f"n_items={value!r} is beyond float64's exact integer range (2**53)")
     if value < 0:
         raise ValueError(f"n_items must be >= 0, got {value}")
     if value == 0 and not summed:

@@ -1,4 +1,4 @@
-"""The loss of an applied window, weighted like its gradient and summed only when read."""
+"""The loss of a window, weighted like its gradient and summed only when read."""
 
 from __future__ import annotations
 
@@ -10,35 +10,42 @@ import torch
 
 from gradaccum.core.window import is_one
 
-__all__ = ["WindowLoss", "sum_losses"]
+__all__ = ["WindowLoss", "weighted_sum"]
 
 
-def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The sum of a window's scaled micro-batch losses (None for none)."""
-    return _sum(losses) if losses else None
+def weighted_sum(parts: Sequence[tuple[torch.Tensor, Any]]) -> torch.Tensor | None:
+    """``sum(loss * weight)`` over a window's ``(loss, weight)`` parts (None for none).
 
-
-def _sum(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    return losses[0] if len(losses) == 1 else torch.stack(list(losses)).sum()
+    Example:
+        >>> weighted_sum([(torch.tensor(0.5), 2), (torch.tensor(1.0), 1)])
+        tensor(2.)
+    """
+    if not parts:
+        return None
+    terms = [loss if is_one(w) else loss * w for loss, w in parts]
+    return terms[0] if len(terms) == 1 else torch.stack([t.to(terms[0].dtype) for t in terms]).sum()
 
 
 @dataclass(frozen=True)
 class WindowLoss:
-    """The scaled micro-batch losses of one window (or their sum reduced over ranks) and the
-    window's gradient factor: their sum times the factor is the window's loss.
+    """A window's ``(loss, weight)`` parts and their denominator: the window's loss is
+    ``sum(loss * weight) / denominator``.
 
-    Reading :meth:`value` costs one small sum on the losses' device and never synchronizes it;
+    Reading :meth:`value` costs a few small ops on the losses' device and never synchronizes it;
     a loop that never logs the loss pays nothing.
 
     Example:
-        >>> WindowLoss((torch.tensor(0.5), torch.tensor(1.5)), 0.5).value()
+        >>> WindowLoss(((torch.tensor(0.5), 1), (torch.tensor(1.5), 1)), 2).value()
         tensor(1.)
     """
 
-    parts: tuple[torch.Tensor, ...]
-    factor: Any
+    parts: tuple[tuple[torch.Tensor, Any], ...]
+    denominator: Any
 
     def value(self) -> torch.Tensor:
         """The window's loss, a 0-dim tensor."""
-        total = _sum(self.parts)
-        return total if is_one(self.factor) else total * self.factor
+        total = weighted_sum(self.parts)
+        assert total is not None  # a window with a loss has at least one part
+        dtype = self.parts[0][0].dtype
+        total = total.reshape(())
+        return total if is_one(self.denominator) else (total / self.denominator).to(dtype)

@@ -12,14 +12,23 @@ import torch
 from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
-from gradaccum.core.window import Window, is_one
-from gradaccum.torch._boundary import apply_window, largest, provisional_total
+from gradaccum.core.window import Window
+from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
-from gradaccum.torch._state import check_state, pack_state, restore_grads
-from gradaccum.torch._validate import Items, Reduction, Scheduler, check_items, check_loss, check_parts
-from gradaccum.torch._window_loss import WindowLoss, sum_losses
+from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
+from gradaccum.torch._validate import (
+    Items,
+    Reduction,
+    Scheduler,
+    check_items,
+    check_loss,
+    check_parts,
+    check_total,
+)
+from gradaccum.torch._weights import exact_total, loss_seed, wide_count
+from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
 from gradaccum.torch.distributed.selector import make_sync
 
@@ -48,7 +57,9 @@ class Accumulator(WindowHooks):
         accum_dtype: ``torch.float32`` to sum bf16/fp16 gradients in float32 buffers (not under
             DDP/FSDP).
         skip_nonfinite: without a scaler, skip a window whose gradient norm is inf or NaN.
-        sync: ``"window"`` (one gradient sync per window) or ``"micro_batch"`` (every backward).
+        sync: ``"window"`` (one gradient sync per window), ``"micro_batch"`` (every backward), or
+            ``"local"``: no cross-rank work at all, for ranks that train independently on purpose
+            (under a process group, any other model than DDP/FSDP2 is refused without it).
 
     A skipped window (non-finite gradient, or a summed window of 0 items) changes no parameter
     and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
@@ -98,12 +109,9 @@ class Accumulator(WindowHooks):
         self.skipped_windows = 0
         self.epoch = 0
         self.grad_norm: torch.Tensor | None = None
-        self._losses: list[torch.Tensor] = []  # this window's scaled losses (an append per micro-step)
         self._last_loss: WindowLoss | None = None
-        self._most: Any = None  # largest micro-batch count of past windows (all ranks) / this window
-        self._window_most: Any = None
         self._warned_no_grad = False
-        self._open_window()
+        self._open_window(None)
 
     @property
     def micro_step(self) -> int:
@@ -163,9 +171,15 @@ class Accumulator(WindowHooks):
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        window, factor = self._next(n, reduction == "sum")
-        self._backward(loss, factor)
-        return self._commit(window, n)
+        summed = reduction == "sum"
+        window = self._window
+        term, scale = (n, window.scale) if window.micro_step else self._first(window, n)
+        nxt = window.advance(term, scale=scale, summed=summed,
+                             losses=((loss.detach(), 1 if n is None or summed else n),))
+        if not isinstance(n, torch.Tensor):
+            check_total(nxt.items)
+        self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
+        return self._commit(nxt)
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -186,10 +200,19 @@ class Accumulator(WindowHooks):
             True
         """
         n = check_items(n_items, reduction)
-        window, factor = self._next(n, reduction == "sum")
-        with micro_batch_block(self._backward, factor) as mb:
+        summed = reduction == "sum"
+        window = self._window
+        term, scale = (n, window.scale) if window.micro_step else self._first(window, n)
+        pending = window.advance(term, scale=scale, summed=summed)
+        check_total(pending.items)
+
+        def run(loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
+            return loss.detach(), 1 if n is None or summed else n
+
+        with micro_batch_block(run) as mb:
             yield mb
-        mb.stepped = self._commit(window, n)
+        mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts)))
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -202,14 +225,15 @@ class Accumulator(WindowHooks):
         self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
             return False
-        return self._apply()
+        return self._close_window()
 
     def discard(self) -> None:
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
+        basis = self._window.basis
         self._sync.discard()
-        self._reset()
-        self._open_window()
+        self._clear(basis)
+        self._open_window(basis)
         self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -217,7 +241,7 @@ class Accumulator(WindowHooks):
         empty window takes its N at once. Raises TypeError/ValueError unless ``epoch >= 0``."""
         self.epoch = check_nonneg_int("epoch", epoch)
         if self._window.empty:
-            self._open_window()
+            self._open_window(self._window.basis)
 
     def resize_window(self, steps: int) -> None:
         """Give the current, empty window another size (for :class:`gradaccum.AutoBatch`, which
@@ -230,63 +254,59 @@ class Accumulator(WindowHooks):
         self._window = self._window.resized(n)
         self._sync.prepare(self._window.next_is_last)
 
-    def _open_window(self) -> None:
+    def _open_window(self, basis: Any) -> None:
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
-        self._window = Window.open(self.schedule(count))
+        self._window = Window.open(self.schedule(count), basis)
         self._sync.prepare(self._window.next_is_last)
 
-    def _next(self, n: Any, summed: bool) -> tuple[Window, Any]:
-        """The window after this micro-batch and its loss factor; changes nothing (may raise)."""
-        window = self._window
-        scale = self._provisional(n, window.size) if window.empty and n is not None else None
-        nxt = window.advance(n, scale=scale, summed=summed)
-        return nxt, nxt.loss_factor(n, summed=summed)
+    def _first(self, window: Window, n: Any) -> tuple[Any, Any]:
+        """For a window's first micro-batch: ``n`` as the first term of the item total (a tensor
+        total starts as a wide copy) and the window's provisional total (core.window's rule;
+        the ranks agree once, on the run's first, in one small collective)."""
+        if n is None:
+            return None, None
+        term = wide_count(n) if isinstance(n, torch.Tensor) else n
+        if not self._precision.overflow_prone:
+            return term, None
+        count = window.first_count(n)
+        if window.basis is None and self._sync.world_size > 1:
+            count = self._sync.agree_count(count)
+        return term, exact_total(count, window.size)
 
-    def _provisional(self, n: Any, size: int) -> Any:
-        """The item total the losses are scaled against: ``size`` times the largest count seen (so
-        no factor exceeds 1/size once counts are known); across ranks, past windows' only."""
-        if self._sync.world_size > 1:
-            return float(size) if self._most is None else provisional_total(self._most, size)
-        return provisional_total(largest(self._most, n), size)
-
-    def _backward(self, loss: torch.Tensor, factor: Any) -> None:
-        if not is_one(factor):
-            loss = loss * (factor.to(loss.dtype) if isinstance(factor, torch.Tensor) else factor)
-        self._precision.backward(loss)
-        self._losses.append(loss.detach())
-
-    def _commit(self, window: Window, n: Any) -> bool:
+    def _commit(self, window: Window) -> bool:
         self._window = window
-        if n is not None:
-            self._window_most = largest(self._window_most, n)
-        if window.complete:
-            return self._apply()
-        if window.next_is_last:
+        if window.micro_step >= window.size:
+            return self._close_window()
+        if window.micro_step + 1 == window.size:
             # DDP reads the flag in its forward, so it is set before the next micro-batch runs.
             self._sync.prepare(True)
         return False
 
-    def _apply(self) -> bool:
-        """The boundary, as a transaction: whatever raises, the next window starts fresh."""
+    def _close_window(self) -> bool:
+        """The boundary, as a transaction: the window is stepped, counted and cleared, and the
+        next one opens, whatever raises (a failed window is never applied again)."""
+        window = self._window
         try:
-            stepped = self._step(self._window)
+            out = step_window(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
+            stepped = self._precision.stepped_before_error
             self._precision.abort()
-            self._reset()
+            self._clear(window.basis)
             with suppress(Exception):
-                self._open_window()
+                if stepped:  # the optimizer stepped, then a hook or the scaler raised
+                    self._count(Outcome(True, window.basis))
+                self._open_window(window.basis)
             raise
-        self._reset()
+        self._clear(out.basis)
         try:
+            self._count(out)
             self._hooks(self)
         finally:
-            self._open_window()
-        return stepped
+            self._open_window(out.basis)
+        return out.stepped
 
-    def _step(self, window: Window) -> bool:
-        out = apply_window(window, self._losses, self._window_most, self._sync, self._precision,
-                           self.clip_norm)
-        self._most = largest(self._most, out.most)
+    def _count(self, out: Outcome) -> None:
+        """The bookkeeping of a closed window: loss, norm, counters, scheduler."""
         if out.loss is not None:
             self._last_loss = out.loss
             self.grad_norm = out.grad_norm
@@ -296,18 +316,17 @@ class Accumulator(WindowHooks):
                           "loss come from another model, or a detached graph?", stacklevel=5)
         if not out.stepped:
             self.skipped_windows += 1
-            return False
+            return
         self.optimizer_steps += 1
         if self.scheduler is not None:
             self.scheduler.step()
-        return True
 
-    def _reset(self) -> None:
+    def _clear(self, basis: Any = None) -> None:
+        """Gradients to None and an empty window of the same size (should opening the next
+        window raise, e.g. on a bad schedule value, no micro-batch is applied twice)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
-        self._losses = []
-        self._window_most = None
-        self._window = Window(self._window.size)
+        self._window = Window(self._window.size, basis=basis)
 
     def state_dict(self) -> dict[str, Any]:
         """All a bit-exact resume in the middle of a window needs (counters, window, partial
@@ -320,8 +339,7 @@ class Accumulator(WindowHooks):
         if not self._window.empty:
             self._sync.check_saveable()
         return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
-                          sum_losses(self._losses), self.window_loss, (self._most, self._window_most),
-                          self._params, self._precision.state_dict())
+                          self.window_loss, self._params, self._precision.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
@@ -337,12 +355,10 @@ class Accumulator(WindowHooks):
         self._precision.load_state_dict(state.get("accum"))
         for key in COUNTERS:
             setattr(self, key, state[key])
-        self._losses = [] if state.get("loss_sum") is None else [state["loss_sum"]]
         last = state.get("window_loss")
-        self._last_loss = None if last is None else WindowLoss((last,), 1.0)
-        self._most, self._window_most = state.get("most_items"), state.get("window_most_items")
-        self._window = window
-        self._sync.prepare(window.next_is_last)
+        self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
+        self._window = restore_window(state, window)
+        self._sync.prepare(self._window.next_is_last)
 
     def __repr__(self) -> str:
         steps, micro, done = self.schedule.describe(), self.micro_step, self.optimizer_steps

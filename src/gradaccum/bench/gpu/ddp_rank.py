@@ -64,7 +64,7 @@ def scenario(device: torch.device, weighting: str) -> dict[str, Any]:
     reference = copy.deepcopy(model)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=1024)
     acc = Accumulator(torch.optim.SGD(ddp.parameters(), lr=0.1), STEPS, model=ddp)
-    ref_acc = Accumulator(torch.optim.SGD(reference.parameters(), lr=0.1), world * STEPS)
+    ref_acc = Accumulator(torch.optim.SGD(reference.parameters(), lr=0.1), world * STEPS, sync="local")
     calls: list[list[int]] = []
     losses, ref_losses = [], []
     with _counting(ddp) as count:

@@ -16,11 +16,13 @@ Both distributed classes take a mode: ``"window"`` (one gradient sync per window
 ``"micro_batch"`` (sync every backward, as without accumulation: FSDP2 then keeps only sharded
 gradients between micro-batches, at N times the reduce-scatter traffic).
 
-The accumulator calls, in order: :meth:`GradSync.prepare` when a window opens and after each
-micro-batch (the flag for the next backward), :meth:`GradSync.sync_partial` from ``flush()`` on
-every rank (a partial window's gradients were never reduced), :meth:`GradSync.check_forward` and
-:meth:`GradSync.reduce_window` at every boundary (one collective that averages the window's loss
-sum and item total over ranks, as the gradients are averaged).
+The accumulator calls, in order: :meth:`GradSync.prepare` when a window opens, is resized or
+restored, and once more before the window's last micro-batch (``True``: that backward reduces);
+:meth:`GradSync.agree_count` once, at the run's first item-weighted micro-batch (the ranks' first
+provisional total); :meth:`GradSync.sync_partial` from ``flush()`` on every rank (a partial
+window's gradients were never reduced); :meth:`GradSync.check_forward` and
+:meth:`GradSync.reduce_window` at every boundary (one 16-byte collective that averages the
+window's loss sum and item total over ranks, as the gradients are averaged).
 """
 
 from __future__ import annotations
@@ -32,22 +34,22 @@ import torch
 
 __all__ = ["SYNC_MODES", "GradSync", "LocalSync", "SyncMode", "agree_on_count", "check_sync_mode"]
 
-SyncMode = Literal["window", "micro_batch"]
-SYNC_MODES: tuple[SyncMode, ...] = ("window", "micro_batch")
+SyncMode = Literal["window", "micro_batch", "local"]
+SYNC_MODES: tuple[SyncMode, ...] = ("window", "micro_batch", "local")
 
 
 def check_sync_mode(sync: Any) -> SyncMode:
     """Return ``sync`` if it names a sync mode.
 
     Raises:
-        ValueError: anything but ``"window"`` or ``"micro_batch"``.
+        ValueError: anything but ``"window"``, ``"micro_batch"`` or ``"local"``.
 
     Example:
         >>> check_sync_mode("window")
         'window'
     """
     if sync not in SYNC_MODES:
-        raise ValueError(f"sync must be 'window' or 'micro_batch', got {sync!r}")
+        raise ValueError(f"sync must be 'window', 'micro_batch' or 'local', got {sync!r}")
     return sync  # type: ignore[no-any-return]
 
 
@@ -62,9 +64,11 @@ class GradSync(Protocol):
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Reduce a flushed window's gradients now; called on every rank, even with 0 micro-steps."""
 
-    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
-        """Return ``(loss_sum, items)`` averaged over ranks and the largest ``most`` of any rank;
-        ``None`` entries stay ``None``."""
+    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
+        """Return ``(loss_sum, items)`` averaged over ranks; ``None`` entries stay ``None``."""
+
+    def agree_count(self, count: Any) -> Any:
+        """The largest ``count`` of any rank (a number or 0-dim tensor), with no host read."""
 
     def check_saveable(self) -> None:
         """Raise if a partial window's gradients are not in ``.grad`` (so no checkpoint holds them)."""
@@ -94,9 +98,13 @@ class LocalSync:
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Nothing to synchronize."""
 
-    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
+    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
         """Return the values unchanged."""
-        return loss_sum, items, most
+        return loss_sum, items
+
+    def agree_count(self, count: Any) -> Any:
+        """One rank: the count itself."""
+        return count
 
     def check_saveable(self) -> None:
         """The partial gradients are in ``.grad``."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gradaccum.torch._weights import wide_dtype
 from gradaccum.torch.distributed.base import SyncMode, agree_on_count, check_sync_mode
 
 if TYPE_CHECKING:
@@ -34,44 +35,37 @@ class RankGroups:
         self.device = device
         self.mode = check_sync_mode(mode)
         self.world_size = math.prod(dist.get_world_size(g) for g in self.groups)
-        # This rank's index among the data-parallel ranks, in [0, world_size): its slot in
-        # reduce_window's vector.
-        self.rank_index = 0
-        for group in self.groups:
-            self.rank_index = self.rank_index * dist.get_world_size(group) + dist.get_rank(group)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         for group in self.groups:
             dist.all_reduce(tensor, op=op, group=group)
 
-    def reduce_window(self, loss_sum: Any, items: Any, most: Any = None) -> tuple[Any, Any, Any]:
-        """Average the loss sum and the item total over ranks, and find the largest micro-batch
-        count of any rank, in a single all-reduce.
+    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
+        """Average the loss sum and the item total over ranks in a single all-reduce.
 
         Gradients are averaged over ranks (DDP and FSDP2 divide by the world size), so the
         averaged item total is the divisor that turns them into the global item-weighted mean.
-        The largest count travels in this rank's own slot of the same vector (a SUM of one-hot
-        slots gathers every rank's value), so no second collective is needed.
         """
         present = [v for v in (loss_sum, items) if v is not None]
-        if not present and most is None:
-            return loss_sum, items, most
-        vec = torch.zeros(len(present) + (self.world_size if most is not None else 0),
-                          dtype=torch.float64, device=self.device)
-        if present:
-            vec[:len(present)] = torch.stack([
-                torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in present])
-        if most is not None:
-            vec[len(present) + self.rank_index] = torch.as_tensor(most, dtype=torch.float64,
-                                                                  device=self.device)
+        if not present:
+            return loss_sum, items
+        dtype = wide_dtype(self.device, torch.float32)
+        vec = torch.stack([torch.as_tensor(v, device=self.device).reshape(()).to(dtype) for v in present])
         self.all_reduce(vec)
-        means = vec[:len(present)] / self.world_size
-        out = iter(means.unbind())
+        out = iter((vec / self.world_size).unbind())
         loss = None if loss_sum is None else next(out)
         if isinstance(loss_sum, torch.Tensor) and loss is not None:
             loss = loss.to(loss_sum.dtype)
-        total = None if items is None else next(out)
-        return loss, total, None if most is None else vec[len(present):].max()
+        return loss, None if items is None else next(out)
+
+    def agree_count(self, count: Any) -> Any:
+        """The largest ``count`` of any rank, as a tensor on the ranks' device (one MAX all-reduce
+        of 8 bytes, no host read). The accumulator asks once per run: the first window's
+        provisional total must be the same on every rank, and no earlier window gives one."""
+        vec = torch.as_tensor(count, device=self.device).reshape(()).to(
+            wide_dtype(self.device, torch.float32), copy=True)
+        self.all_reduce(vec, op=dist.ReduceOp.MAX)
+        return vec
 
     def agree_on_length(self, micro_steps: int, has_grad: Sequence[bool] = ()) -> list[bool] | None:
         """One MAX all-reduce of ``[has_grad..., r, -r]`` before a flushed window is reduced.

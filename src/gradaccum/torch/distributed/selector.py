@@ -7,7 +7,6 @@ selector).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -32,23 +31,18 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
         root module, else :class:`LocalSync`.
 
     Raises:
-        ValueError: an unknown mode, or a model with ``fully_shard`` submodules whose root is
-            not sharded (no single flag would cover them).
+        ValueError: an unknown mode; a model with ``fully_shard`` submodules whose root is not
+            sharded (no single flag would cover them); or, under a process group of more than one
+            rank, a model that is neither DDP nor FSDP2 (``None`` included) without
+            ``sync="local"``: each rank would normalize by its own item total and drift apart.
 
     Example:
         >>> make_sync(None).world_size
         1
     """
     mode = check_sync_mode(mode)
-    if not dist.is_available() or not dist.is_initialized():
+    if mode == "local" or not dist.is_available() or not dist.is_initialized():
         return LocalSync()  # a DDP or FSDP2 module needs an initialized process group
-    if model is None:
-        if dist.get_world_size() > 1:
-            warnings.warn(
-                f"Accumulator(model=None) while a process group of {dist.get_world_size()} ranks is "
-                "initialized: gradaccum will not average gradients or item counts across ranks; "
-                "pass model=ddp_model (or the FSDP2 root) for one sync per window", stacklevel=3)
-        return LocalSync()
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -56,9 +50,16 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
         return DDPSync(model, mode)
     if isinstance(model, FSDPModule):
         return FSDPSync(model, mode)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if model is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(
             f"model ({type(model).__name__}) has fully_shard submodules but is not itself an "
             "FSDPModule: call fully_shard(model) on the root too, then pass it as model="
         )
+    if dist.get_world_size() > 1:
+        # Each rank would normalize by its own item total, and the ranks drift apart silently.
+        raise ValueError(
+            f"model={'None' if model is None else type(model).__name__} while a process group of "
+            f"{dist.get_world_size()} ranks is initialized: pass the DistributedDataParallel model "
+            "(or the FSDP2 root) as model=, so gradients and item totals are averaged over every "
+            "rank once per window; for ranks that train independently on purpose, pass sync='local'")
     return LocalSync()

@@ -1,0 +1,137 @@
+"""The accumulator's per-micro-step cost against hand-written loops: aten ops and time.
+
+Five loops over the same micro-batches, ``STEPS`` per window, each a callable that runs one
+window (``benchmarks/hot_path.py`` times them; ``tests/bench/test_hot_path.py`` counts ops):
+
+- ``hand mean``: the seed's loop, ``(loss / N).backward()``, step and ``zero_grad`` every N;
+- ``gradaccum mean``: ``acc.backward(loss)``;
+- ``hand tokens``: the hand token-weighted loop, ``loss_sum.backward(); total += n``, then
+  ``p.grad.div_(total)`` and the step at the boundary;
+- ``gradaccum int`` / ``gradaccum tensor``: ``acc.backward(loss, n_items=n)`` with ``n`` a Python
+  int known up front (a data loader's count) or the 0-dim tensor of
+  :func:`gradaccum.count_tokens` (made inside the loop, as in the hand token loop).
+
+Ops are counted with a ``TorchDispatchMode``: each is a kernel launch on a GPU, so the count is
+the machine-independent half of the cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradaccum
+
+__all__ = ["LOOPS", "STEPS", "OpCounter", "make_loops", "ops_per_micro_step"]
+
+STEPS = 4
+LOOPS = ("hand mean", "gradaccum mean", "hand tokens", "gradaccum int", "gradaccum tensor")
+IGNORE = -100
+
+
+class OpCounter(TorchDispatchMode):
+    """Count the aten ops dispatched while active (``with OpCounter() as c: ...; c.count``).
+
+    Example:
+        >>> with OpCounter() as c:
+        ...     _ = torch.ones(2) + 1
+        >>> c.count
+        2
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batches(model: str, micro: int) -> tuple[Callable[[], nn.Module], list[tuple[Any, ...]]]:
+    """A model factory and ``STEPS`` micro-batches ``(x, y, labels)``; labels carry padding."""
+    g = torch.Generator().manual_seed(0)
+    if model == "trivial":
+        build: Callable[[], nn.Module] = lambda: nn.Linear(4, 3)  # noqa: E731
+        xs = [torch.randn(micro, 4, generator=g) for _ in range(STEPS)]
+        classes = 3
+    else:
+        from gradaccum.demos.models import build_model
+
+        build = lambda: build_model("mlp", seed=0)  # noqa: E731
+        xs = [torch.randn(micro, 1, 28, 28, generator=g) for _ in range(STEPS)]
+        classes = 10
+    batches = []
+    for x in xs:
+        y = torch.randint(0, classes, (micro,), generator=g)
+        labels = y.clone()
+        labels[: micro // 4] = IGNORE  # some padding, so the counts are real counts
+        batches.append((x, y, labels))
+    return build, batches
+
+
+def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[], None]]:
+    """The five loops of the module docstring, each running one window when called.
+
+    Args:
+        model: ``"trivial"`` (a 4-3 Linear: the overhead shows) or ``"mlp"`` (the seed's MLP).
+        micro: items per micro-batch.
+    """
+    build, batches = _batches(model, micro)
+    ce = nn.functional.cross_entropy
+    loops: dict[str, Callable[[], None]] = {}
+
+    def hand(mean: bool) -> Callable[[], None]:
+        m = build()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+        def run() -> None:
+            total: Any = 0
+            for x, _, labels in batches:
+                if mean:
+                    (ce(m(x), labels) / STEPS).backward()
+                else:
+                    ce(m(x), labels, reduction="sum").backward()
+                    total += gradaccum.count_tokens(labels)
+            if not mean:
+                for p in m.parameters():
+                    assert p.grad is not None
+                    p.grad.div_(total)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
+
+    def accumulated(kind: str) -> Callable[[], None]:
+        m = build()
+        acc = gradaccum.Accumulator(torch.optim.SGD(m.parameters(), lr=0.01), STEPS)
+        ints = [int((labels != IGNORE).sum()) for _, _, labels in batches]  # known up front
+
+        def run() -> None:
+            for (x, _, labels), k in zip(batches, ints, strict=True):
+                n: Any = None
+                if kind == "tensor":
+                    n = gradaccum.count_tokens(labels)
+                elif kind == "int":
+                    n = k
+                acc.backward(ce(m(x), labels), n)
+        return run
+
+    loops["hand mean"] = hand(True)
+    loops["gradaccum mean"] = accumulated("mean")
+    loops["hand tokens"] = hand(False)
+    loops["gradaccum int"] = accumulated("int")
+    loops["gradaccum tensor"] = accumulated("tensor")
+    return loops
+
+
+def ops_per_micro_step(run: Callable[[], None], windows: int = 3) -> float:
+    """Aten ops per micro-step of ``run`` (one window a call), after one window's warm-up."""
+    run()
+    with OpCounter() as counter:
+        for _ in range(windows):
+            run()
+    return counter.count / (windows * STEPS)

@@ -1,0 +1,106 @@
+"""Micro-batch weights as torch tensors: the backward seed, the provisional total, wide totals.
+
+The core (:mod:`gradaccum.core.window`) says what each micro-batch weighs; this module makes those
+weights cheap in torch. The weight is not multiplied into the loss (a multiplication in the
+forward, another in the backward): it *is* the gradient that ``backward`` starts from,
+``loss.backward(gradient=seed)``, which autograd would otherwise fill with ones. So the mean path
+costs one small tensor per micro-step, and a tensor count one multiplication.
+
+Precision of the seed ``n_i / P`` (``P`` a power of two for tensor counts): exact while ``n_i``
+fits the loss's significand: below 2**24 in float32, 2**53 in float64, 2**11 in float16 and 2**8
+in bfloat16 (beyond, it rounds once, as the loss itself does). Totals are summed in float64 on
+devices that have it; where float64 is missing (Apple's MPS) integer counts are summed in int64
+(exact) and float weights in float32, and the boundary's correction ``P / sum(n_i)`` is computed
+in float32 (relative error 2**-24).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradaccum.core.window import provisional_total
+
+__all__ = ["NO_FLOAT64", "exact_total", "float_total", "loss_seed", "wide_count", "wide_dtype"]
+
+# Device types whose kernels have no float64.
+NO_FLOAT64 = frozenset({"mps"})
+
+
+def wide_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an item total of ``dtype`` counts is summed in on ``device``.
+
+    Example:
+        >>> wide_dtype(torch.device("cpu"), torch.int64), wide_dtype(torch.device("mps"), torch.int32)
+        (torch.float64, torch.int64)
+    """
+    if device.type not in NO_FLOAT64:
+        return torch.float64
+    return torch.float32 if dtype.is_floating_point else torch.int64
+
+
+def wide_count(n: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's count as the first term of a window's total: a new tensor (the caller's
+    may change later) in :func:`wide_dtype`. Later counts add to it in that dtype."""
+    return n.to(wide_dtype(n.device, n.dtype), copy=True)
+
+
+def float_total(total: Any) -> Any:
+    """An item total ready to divide by: an integer tensor (the int64 route where float64 is
+    missing) as float32, anything else as it is."""
+    if isinstance(total, torch.Tensor) and not total.is_floating_point():
+        return total.to(torch.float32)
+    return total
+
+
+def exact_total(count: Any, size: int) -> Any:
+    """The provisional total of :func:`gradaccum.core.window.provisional_total` for a window of
+    ``size``; a tensor ``count`` gives a power of two within ``(size * count, 2 * size * count]``
+    (1 for a count of 0), so that every ``n_i / P`` is exact in the loss's format (module
+    docstring). A float32 tensor on every device: ``P`` only needs its exponent.
+
+    Example:
+        >>> exact_total(3, 4), exact_total(torch.tensor(3), 4)
+        (12, tensor(16.))
+    """
+    if not isinstance(count, torch.Tensor):
+        return provisional_total(count, size)
+    _, exponent = torch.frexp(count * float(size))  # count * size = m * 2**e, m in [0.5, 1)
+    return torch.pow(2.0, exponent)
+
+
+def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -> torch.Tensor | None:
+    """The gradient a micro-batch's backward starts from: its weight in the window, as a new
+    tensor of the loss's shape (a cached one, or the caller's count, could be taken over as a
+    ``.grad`` and then changed in place); None for a weight of exactly 1 (autograd's own seed).
+
+    Args:
+        loss: the micro-batch's loss.
+        n: its count (``None`` under mean weighting).
+        scale: the window's provisional total ``P``, or None (the weight is ``n`` itself).
+        size: the window's ``N``.
+        summed: the loss is sum-reduced (weight ``1/P``, else ``n/P``).
+
+    Example:
+        >>> loss_seed(torch.tensor(2.0), None, None, 4, False)
+        tensor(0.2500)
+    """
+    if n is None:
+        return torch.full(loss.shape, 1.0 / size, dtype=loss.dtype, device=loss.device)
+    if scale is None:
+        if summed:
+            return None
+        if not isinstance(n, torch.Tensor):
+            return torch.full(loss.shape, n, dtype=loss.dtype, device=loss.device)
+        # Another dtype: autograd casts it into a new tensor (one kernel, no Python op).
+        seed = n if n.dtype != loss.dtype else n.clone()
+    elif not isinstance(scale, torch.Tensor):
+        if not isinstance(n, torch.Tensor):
+            return torch.full(loss.shape, (1 if summed else n) / scale, dtype=loss.dtype, device=loss.device)
+        seed = torch.div(n, scale)  # a tensor count against a Python total (counts changed kind)
+    else:
+        seed = scale.reciprocal() if summed else n / scale
+        if seed.dtype != loss.dtype:
+            seed = seed.to(loss.dtype)
+    return seed if seed.shape == loss.shape else seed.reshape(loss.shape)
