@@ -39,7 +39,8 @@ def main() -> None:
              f"interleaved rounds (order rotating) after {args.warmup} warm-up, {args.threads} thread(s)")
     for key, value in {**describe_machine(), "setup": setup}.items():
         print(f"{key:>14}: {value}")
-    print("\n| loop | aten ops / micro-step | vs its hand loop | us / micro-step (median) | vs its hand loop |")
+    print("\n| loop | aten ops / micro-step | vs its hand loop | us / micro-step (median) "
+          "| vs its hand loop |")
     print("|---|---|---|---|---|")
     for name in loops:
         base = "hand mean" if name in ("hand mean", "gradaccum mean") else "hand tokens"

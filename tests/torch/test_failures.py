@@ -185,3 +185,97 @@ def test_an_error_inside_a_micro_batch_block_closes_the_handle_and_counts_nothin
     assert mb.closed and acc.micro_step == 0
     acc.discard()
     assert all(p.grad is None for p in model.parameters())
+
+
+def grad_like(p, **kw):
+    return torch.zeros(p.shape, **kw)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: grad_like(p, device="meta"), "dense tensor with values"),
+    (lambda p: grad_like(p).to_sparse(), "dense tensor with values"),
+    (lambda p: grad_like(p, dtype=torch.int64), "real floating tensor"),
+    (lambda p: grad_like(p, dtype=torch.bool), "real floating tensor"),
+    (lambda p: grad_like(p, dtype=torch.complex64), "real floating tensor"),
+    (lambda p: grad_like(p, dtype=torch.float16), "dtype torch.float16, its parameter torch.float"),
+])
+def test_a_gradient_no_parameter_can_take_is_refused_before_any_is_restored(make, match):
+    # 0.2.0 accepted a meta or sparse gradient, then raised after overwriting the first ones, and
+    # cast int64, bool and complex gradients silently.
+    model, acc = mid_window()
+    state = acc.state_dict()
+    last = len(state["grads"]) - 1
+    state["grads"][last] = make(list(model.parameters())[last])
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        acc.load_state_dict(state)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+@pytest.mark.parametrize("key, value", [
+    (("window", "items"), torch.tensor(float("nan"))),
+    (("window", "items"), torch.tensor(-4.0)),
+    (("window", "scale"), torch.tensor(float("inf"))),
+    (("window", "basis"), torch.tensor(-1.0)),
+    (("window", "basis"), float("nan")),
+])
+def test_tensor_valued_counts_are_range_checked_like_their_number_twins(key, value):
+    _, acc = mid_window(dtype_items=True)
+    state = corrupt(acc.state_dict(), key, value)
+    before = repr(acc)
+    with pytest.raises(ValueError, match=key[-1]):
+        acc.load_state_dict(state)
+    assert repr(acc) == before
+
+
+@pytest.mark.parametrize("n_items", [1e308, 2**60, torch.tensor(2**60),
+                                     torch.tensor(1e308, dtype=torch.float64)])
+def test_counts_that_cannot_stay_exact_are_refused_as_numbers_and_tensors(n_items):
+    model, acc = mid_window()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        acc.backward(loss_of(model, 5), n_items)
+    assert acc.micro_step == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+def test_a_window_total_past_the_exact_range_is_refused_at_the_micro_batch():
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    acc.backward(loss_of(model), 2**52 + 2**51)
+    with pytest.raises(ValueError, match="item total"):
+        acc.backward(loss_of(model, 1), 2**52)
+    assert acc.micro_step == 1
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_step_followed_by_a_raising_post_hook_is_counted_and_scheduled(scaled):
+    # The optimizer stepped, then its post-hook raised: the parameters moved, so the step counts,
+    # the scheduler steps, the error still reaches the caller, and the next window starts fresh.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    acc = gradaccum.Accumulator(opt, 2, scheduler=sched, scaler=scaler)
+    handle = opt.register_step_post_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("post-hook")))
+    before = snapshot(model)
+    acc.backward(loss_of(model))
+    with pytest.raises(RuntimeError, match="post-hook"):
+        acc.backward(loss_of(model, 1))
+    assert not bitwise_equal(model, before)
+    assert (acc.optimizer_steps, sched.last_epoch, acc.micro_step) == (1, 1, 0)
+    handle.remove()
+    acc.backward(loss_of(model, 2))
+    assert acc.backward(loss_of(model, 3)) and acc.optimizer_steps == 2
+
+
+def test_a_step_that_raises_before_updating_is_not_counted():
+    # Negative twin: a pre-hook raises before any parameter changes.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(opt, 1)
+    opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("pre-hook")))
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="pre-hook"):
+        acc.backward(loss_of(model))
+    assert bitwise_equal(model, before) and acc.optimizer_steps == 0
