@@ -18,7 +18,16 @@ from types import ModuleType
 from typing import Any
 
 from gradaccum.cli._errors import UsageError
-from gradaccum.cli._options import check_device, nonneg_int, positive_float, positive_int, writable_dir
+from gradaccum.cli._options import (
+    check_count,
+    check_device,
+    epochs_int,
+    out_dir,
+    positive_float,
+    positive_int,
+    seed_int,
+    writable_dir,
+)
 from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
@@ -53,8 +62,8 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
         help="scale --lr from --base-batch to the effective batch (gradaccum.lr_scale)")
     add("--base-batch", type=positive_int, default=64, help="the batch --lr was tuned for")
     add("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
-    add("--epochs", type=positive_int, default=3)
-    add("--seed", type=nonneg_int, default=0, help="weights and data order")
+    add("--epochs", type=epochs_int, default=3)
+    add("--seed", type=seed_int, default=0, help="weights and data order")
     add("--end-of-epoch", default="flush", choices=["flush", "carry"],
         help="flush the partial window, or carry it into the next epoch")
     add("--data-dir", type=Path, default=None,
@@ -132,15 +141,25 @@ def _write_outputs(result: RunResult, out: Path) -> None:
               title=f"gradaccum train: {result.config.model}, {result.config.label}")
 
 
+def _check_schedule(text: str) -> None:
+    """Refuse a ``--steps-schedule`` that does not parse, or whose starts or sizes exceed
+    :data:`~gradaccum.cli._options.MAX_COUNT`."""
+    try:
+        table = parse_schedule(text).table()
+        assert table is not None, "a parsed string has a table"
+        for start, size in zip(*table, strict=True):
+            check_count(start, "--steps-schedule start")
+            check_count(size, "--steps-schedule N")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _config(args: argparse.Namespace, world: int) -> tuple[TrainConfig, str]:
     """The run's settings and its header's batch description, from the batch options."""
     if args.steps_schedule is not None:
         if args.steps is not None or args.global_batch is not None:
             raise UsageError("--steps-schedule replaces --steps and --global-batch")
-        try:
-            parse_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
-        except ValueError as err:
-            raise UsageError(str(err)) from None
+        _check_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
         micro = SEED_MICRO_BATCH if args.micro_batch is None else args.micro_batch
         config = config_from_args(args, micro, args.steps_schedule, args.out, world=world)
         return config, (f"micro-batch {micro} x steps scheduled {args.steps_schedule} "
@@ -300,7 +319,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="change --steps during training, at window boundaries: '0:4,2:2' is 4 "
                         "micro-batches per window for the first 2 optimizer steps, then 2")
     add_experiment_arguments(p)
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=out_dir, default=None,
         help="write metrics.jsonl, summary.json, params.npz and curves.png here (one run per "
              "folder)")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
