@@ -24,6 +24,7 @@ from gradaccum.cli._options import check_count, check_device, out_dir, writable_
 from gradaccum.cli.train import add_experiment_arguments
 from gradaccum.demos.interrupt import Interrupted, handling
 from gradaccum.demos.outputs import CHECKPOINT, atomic_write
+from gradaccum.demos.run_lock import run_lock
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
@@ -148,10 +149,8 @@ def _clear_previous(out: Path) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.extras import require_demo_extra
-    from gradaccum.demos.metrics import plot_runs, read_metrics
 
     require_demo_extra()
-
     try:
         settings = parse_settings(args.settings)
         backends = [args.backend] if args.backends is None else parse_backends(args.backends)
@@ -161,6 +160,14 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give --backend or --backends, not both")
     check_device(args.device)
     out: Path = writable_dir(args.out)
+    with run_lock(out):  # one compare per folder (each setting's run locks its own)
+        return _compare(args, out, settings, backends)
+
+
+def _compare(args: argparse.Namespace, out: Path, settings: list[tuple[int, int]],
+             backends: list[str]) -> int:
+    from gradaccum.demos.metrics import plot_runs, read_metrics
+
     _clear_previous(out)
     rows: list[dict[str, Any]] = []
     for (micro, steps), backend in ((s, b) for s in settings for b in backends):
