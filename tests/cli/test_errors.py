@@ -82,7 +82,7 @@ BAD = [
     (["train", "--epochs", "99999999999999999999999"], 2, "argument --epochs: must be an integer <= 10000"),
     (["train", "--seed", "99999999999999999999"], 2, "argument --seed: must be an integer <= 4294967295"),
     (["train", "--seed", "4294967296"], 2, "argument --seed: must be an integer <= 4294967295"),
-    (["train", "--lr", "1e9"], 2, "argument --lr: must be <= 1000"),
+    (["train", "--lr", "1e31"], 2, "argument --lr: must be <= 1e+30"),
     (["train", "--base-batch", "99999999999"], 2, "argument --base-batch"),
     (["train", "--limit-train", "99999999999"], 2, "argument --limit-train"),
     (["train", "--log-every", "99999999999"], 2, "argument --log-every"),

@@ -28,7 +28,7 @@ MAX_COUNT = 2**24  # items per batch, micro-batches per window, probe sizes, lim
 MAX_EPOCHS = 10_000
 MAX_SEED = 2**32 - 1  # torch (< 2**64), NumPy (< 2**32) and MindSpore seeds all accept it
 MAX_THREADS = 1024
-MAX_LR = 1e3
+MAX_LR = 1e30  # beyond it a float32 update overflows for any gradient above 1e-8
 MAX_TOLERANCE = 1e3
 
 
