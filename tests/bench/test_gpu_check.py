@@ -154,6 +154,8 @@ for m in pkgutil.walk_packages(gradaccum.bench.__path__, "gradaccum.bench."):
         importlib.import_module(m.name)
 print(cli())
 import gradaccum.cli.info  # the negative twin: the check sees an import of cli
+
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
 print(cli())
 """
 

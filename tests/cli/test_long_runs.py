@@ -23,7 +23,8 @@ from gradaccum.demos.metrics import read_metrics
 from tests.cli import run
 from tests.ranks import environment, free_port
 
-pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipes")
+pytestmark = [pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipes"),
+              pytest.mark.slow]  # runs killed and resumed in subprocesses
 
 # 6400 items in micro-batches of 32: 200 loss lines per epoch, far more than the pipe holds.
 RUN = ["--limit-train", "6400", "--limit-test", "200", "--epochs", "2", "--no-progress",
