@@ -32,6 +32,7 @@ def smoke(tmp_path_factory):
     return proc, out, json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_smoke_exits_0_and_prints_one_smoke_row_per_check(smoke):
     proc, out, _ = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_smoke_exits_0_and_prints_one_smoke_row_per_check(smoke):
     assert (out / "report.md").read_text().count(SMOKE_VERDICT) == 8
 
 
+@pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_smoke_checks_with_exact_cpu_figures_meet_their_targets(smoke):
     _, _, report = smoke
     checks = {c["name"]: c for c in report["checks"]}
@@ -54,6 +56,7 @@ def test_smoke_checks_with_exact_cpu_figures_meet_their_targets(smoke):
     assert skipped["gradaccum"] > 0 and skipped["gradaccum, n_items"] <= skipped["gradaccum"]
 
 
+@pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_smoke_raw_numbers_are_those_of_the_checks(smoke):
     _, _, report = smoke
     raw = {c["name"]: c["raw"] for c in report["checks"]}
@@ -90,6 +93,7 @@ def test_a_crash_exits_1_keeps_its_numbers_and_a_missed_target_is_a_fail_row(tmp
         assert verdict(row) == "FAIL"
 
 
+@pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_a_check_past_its_time_box_is_killed_and_its_row_says_so(tmp_path, fake):
     row = run_check(fake("hang", 5), tmp_path, "cpu", 5)
     assert row.status == "timeout"
@@ -154,8 +158,6 @@ for m in pkgutil.walk_packages(gradaccum.bench.__path__, "gradaccum.bench."):
         importlib.import_module(m.name)
 print(cli())
 import gradaccum.cli.info  # the negative twin: the check sees an import of cli
-
-pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
 print(cli())
 """
 

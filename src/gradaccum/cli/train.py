@@ -13,7 +13,6 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,22 +26,16 @@ from gradaccum.cli._options import (
     positive_float,
     positive_int,
     seed_int,
-    writable_dir,
 )
+from gradaccum.cli._train_folder import folder_lock, prepare_out
 from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
 from gradaccum.demos.interrupt import Interrupted, StopFlag
 from gradaccum.demos.outputs import (
     CHECKPOINT,
-    FINAL_FILES,
-    RUN_FILES,
     atomic_write,
-    clear_leftovers,
-    clear_run,
-    run_files_in,
 )
-from gradaccum.demos.run_lock import RunLockError, run_lock
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -189,79 +182,6 @@ def _config(args: argparse.Namespace, world: int) -> tuple[TrainConfig, str]:
             f"micro-batch {micro} x steps {steps}{ranks} = batch {micro * steps * world}")
 
 
-def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> dict[str, Any] | None:
-    """Check ``--out`` against ``--resume`` and ``--overwrite``; the checkpoint to resume, if any.
-
-    One folder holds one run: a new run refuses a folder with another run's files unless told
-    to replace them; ``--resume`` continues the run there with the same settings.
-    """
-    from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
-
-    out = args.out
-    if out is None:
-        for flag, given in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every)):
-            if given:
-                raise UsageError(f"{flag} needs --out, the run's folder")
-        return None
-    if ranks.main:  # the folder's lock is held: a temporary file there is a killed run's
-        for name in RUN_FILES:
-            clear_leftovers(out, name)
-    held = run_files_in(out)
-    restart = args.resume and held and not set(held) & {CHECKPOINT, *FINAL_FILES}
-    if restart:  # stopped before its first checkpoint: the latest state saved is the start
-        print(f"No checkpoint in {out} yet: the run starts over")
-    elif args.resume:
-        state = load_checkpoint(out)
-        check_resumable(state, config, ranks.world)
-        writable_dir(out)
-        if config.checkpoint_every is None:  # keep the run's own rhythm unless told otherwise
-            config.checkpoint_every = state["config"].get("checkpoint_every")
-        return state
-    writable_dir(out)
-    if held and not (args.overwrite or restart):
-        raise UsageError(f"--out {out} holds another run ({', '.join(held)}): give --resume to "
-                         "continue it or --overwrite to replace it")
-    if ranks.world > 1 and config.backend == "torch":
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank has looked before rank 0 removes anything
-    if held and ranks.main:
-        clear_run(out)
-    return None
-
-
-@contextlib.contextmanager
-def _folder_lock(args: argparse.Namespace, ranks: Ranks, backend: str) -> Iterator[None]:
-    """Hold ``--out``'s run lock (rank 0) while this run uses the folder: a second run into it
-    exits 2 naming the first (:mod:`gradaccum.demos.run_lock`). Under torchrun every rank learns
-    whether rank 0 got it, so that all of them stop together when it did not."""
-    out = args.out
-    if out is None or (args.resume and not out.is_dir()):  # nothing to lock; _prepare_out says why
-        yield
-        return
-    if ranks.main:
-        writable_dir(out)
-    with contextlib.ExitStack() as stack:
-        failure: RunLockError | None = None
-        if ranks.main:
-            try:
-                stack.enter_context(run_lock(out))
-            except RunLockError as err:
-                failure = err
-        if ranks.world > 1 and backend == "torch":
-            import torch
-            import torch.distributed as dist
-
-            flag = torch.tensor([failure is not None], dtype=torch.int32,
-                                device=torch.device(args.device) if dist.get_backend() == "nccl" else "cpu")
-            dist.broadcast(flag, src=0)
-            if int(flag.item()) and failure is None:
-                failure = RunLockError(f"--out {out} is in use by another gradaccum run (rank 0 says)")
-        if failure is not None:
-            raise failure
-        yield
-
-
 def _resume_line(args: argparse.Namespace, stop: Interrupted, world: int) -> str:
     name = signal.Signals(stop.signum).name
     if stop.checkpoint is None:
@@ -322,12 +242,12 @@ def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
 
 def _run_ranks(args: argparse.Namespace, ranks: Ranks) -> int:
     config, batch = _config(args, ranks.world)
-    with _folder_lock(args, ranks, config.backend):
+    with folder_lock(args, ranks, config.backend):
         return _train_in_folder(args, config, batch, ranks)
 
 
 def _train_in_folder(args: argparse.Namespace, config: TrainConfig, batch: str, ranks: Ranks) -> int:
-    resume = _prepare_out(args, config, ranks)
+    resume = prepare_out(args, config, ranks)
     print(f"gradaccum train: {config.model}, {batch}, lr {config.lr:g}, {config.optimizer}, "
           f"{config.epochs} epoch(s)" + (f", resuming the run in {config.out}" if resume else ""))
     # The torch trainer stops at a point of its choosing and checkpoints; the MindSpore one
