@@ -91,7 +91,7 @@ def render(results: dict[str, Any], png: str) -> str:
     first = runs[0]["trace_steps"][0] if runs[0]["trace_steps"] else 0
     train_rows = [[r["name"], *(f"{a:.2f}" for a in r["accuracy"]), f"{r['train_loss'][-1]:.4f}",
                    *(_early_late(r[k]) if i else "0" for k in ("mean_distance", "var_distance")),
-                   f"{sum(r['seconds']) / len(r['seconds']):.0f}"]
+                   f"{r['seconds_per_epoch']:.0f}"]
                   for i, r in enumerate(runs)]
     train_header = ["variant", *(f"test acc. epoch {e + 1} (%)" for e in range(epochs)),
                     f"train loss epoch {epochs}", f"running_mean distance, step {first} / end",
@@ -150,7 +150,9 @@ runs train the very same weights (the training forward never reads the running s
 test pins it bitwise), so among them only the running statistics, and with them the eval-mode
 accuracy, differ.
 
+<!-- results: docs/batchnorm_results.json -->
 {_table(train_header, train_rows)}
+<!-- /results -->
 
 ![BatchNorm under accumulation]({png})
 
@@ -160,7 +162,9 @@ The trained 256x1 weights; running statistics reset, then re-estimated by {s['st
 of training-mode forwards (no weight change) under each treatment; distance to the 256x1 estimate
 and the test accuracy with those statistics.
 
+<!-- results: docs/batchnorm_results.json -->
 {_table(b_header, b_rows)}
+<!-- /results -->
 
 ## Recommendation
 
@@ -168,7 +172,9 @@ and the test accuracy with those statistics.
 
 ## Machine
 
+<!-- results: docs/batchnorm_results.json -->
 | key | value |
 |---|---|
 {machine}
+<!-- /results -->
 """

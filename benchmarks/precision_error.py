@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,9 +118,14 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write every number printed here (docs/results/precision_error.json)")
     args = parser.parse_args()
 
-    for key, value in describe_machine().items():
+    machine = describe_machine()
+    results: dict[str, Any] = {"machine": machine, "command": " ".join(["python", *sys.argv]),
+                               "settings": vars(args) | {"json": None}, "rows": []}
+    for key, value in machine.items():
         print(f"{key:>14}: {value}")
     device = torch.device(args.device)
     model = build_model(args.model, seed=0).to(device=device, dtype=torch.bfloat16)
@@ -139,6 +148,9 @@ def main() -> None:
             for c in columns:
                 rows[c].append(errors[c])
         med = {c: statistics.median(v) for c, v in rows.items()}
+        results["rows"].append({"steps": steps, **med,
+                                "bf16 / fp32 buffer": med["bf16 .grad"] / med["fp32 buffer"],
+                                "bf16 / fp32 -> .grad": med["bf16 .grad"] / med["fp32 -> .grad"]})
         print(f"{steps:>5} | " + " | ".join(f"{med[c]:>15.3e}" for c in columns)
               + f" | {med['bf16 .grad'] / med['fp32 buffer']:>12.0f}x"
               + f" | {med['bf16 .grad'] / med['fp32 -> .grad']:>16.1f}x")
@@ -146,6 +158,11 @@ def main() -> None:
     nbytes, peak_narrow, peak_wide = memory
     print(f"\nfloat32 buffers: computed {4 * numel} bytes (4 x {numel}; the bf16 parameters take "
           f"{2 * numel}), measured {nbytes} bytes allocated")
+    results["memory"] = {"elements": numel, "computed_bytes": 4 * numel, "bf16_param_bytes": 2 * numel,
+                         "measured_bytes": nbytes}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
     if device.type == "cuda":
         print(f"CUDA peak while accumulating: bf16 {peak_narrow} bytes, fp32 buffers {peak_wide} bytes, "
               f"difference {peak_wide - peak_narrow}")

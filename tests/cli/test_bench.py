@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 
 from gradaccum.bench.loops import accelerate_available
@@ -13,6 +14,7 @@ def _row(text, first_cell):
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_the_report_and_figures(tmp_path, capsys):
     threads = torch.get_num_threads()
     assert main(["bench", "--smoke", "--threads", "1", "--out", str(tmp_path)]) == 0

@@ -69,6 +69,42 @@ BAD = [
     (["bench", "--threads", "0"], 2, "argument --threads"),
     (["bench", "--out", "{}/afile/docs"], 2, "is not a writable folder"),
     (["nosuchcommand"], 2, "invalid choice"),
+    # Every number has a range (gradaccum.cli._options): above it, one line naming the option.
+    (["train", "--out", ""], 2, "argument --out: must name a folder, got ''"),
+    (["compare", "--out", " "], 2, "argument --out: must name a folder"),
+    (["bench", "--out", ""], 2, "argument --out: must name a folder"),
+    (["train", "--steps-schedule", "0:99999999999999999999999"], 2, "--steps-schedule N must be <= 16777216"),
+    (["train", "--steps-schedule", "99999999999999999999999:2"], 2, "--steps-schedule start must be <="),
+    (["train", "--micro-batch", "1e23"], 2, "argument --micro-batch: must be an integer >= 1, got '1e23'"),
+    (["train", "--micro-batch", "9" * 23], 2, "argument --micro-batch: must be an integer <= 16777216"),
+    (["train", "--steps", "16777217"], 2, "argument --steps: must be an integer <= 16777216"),
+    (["train", "--global-batch", "9" * 23], 2, "argument --global-batch: must be an integer <="),
+    (["train", "--epochs", "99999999999999999999999"], 2, "argument --epochs: must be an integer <= 10000"),
+    (["train", "--seed", "99999999999999999999"], 2, "argument --seed: must be an integer <= 4294967295"),
+    (["train", "--seed", "4294967296"], 2, "argument --seed: must be an integer <= 4294967295"),
+    (["train", "--lr", "1e31"], 2, "argument --lr: must be <= 1e+30"),
+    (["train", "--base-batch", "99999999999"], 2, "argument --base-batch"),
+    (["train", "--limit-train", "99999999999"], 2, "argument --limit-train"),
+    (["train", "--log-every", "99999999999"], 2, "argument --log-every"),
+    (["train", "--checkpoint-every", "99999999999"], 2, "argument --checkpoint-every"),
+    (["compare", "--settings", "99999999999999999999x2"], 2, "--settings micro-batch must be <= 16777216"),
+    (["compare", "--settings", "2x99999999999999999999"], 2, "--settings steps must be <= 16777216"),
+    (["compare", "--seed", "99999999999999999999"], 2, "argument --seed"),
+    (["plan", "--global-batch", "1e20"], 2, "argument --global-batch"),
+    (["plan", "--global-batch", str(10**20)], 2, "argument --global-batch: must be an integer <="),
+    (["plan", "--probe", "4", "99999999999"], 2, "argument --probe"),
+    (["plan", "--check", "99999999999"], 2, "argument --check"),
+    (["plan", "--check-steps", "99999999999"], 2, "argument --check-steps"),
+    (["plan", "--budget", "99999999999999GB"], 2, "--budget must be at most 1 EiB"),
+    (["plan", "--seed", "99999999999999999999"], 2, "argument --seed"),
+    (["check", "--model", "mlp", "--steps", "99999999999"], 2, "argument --steps"),
+    (["check", "--model", "mlp", "--micro-batch", "99999999999"], 2, "argument --micro-batch"),
+    (["check", "--model", "mlp", "--vocab", "99999999999"], 2, "argument --vocab"),
+    (["check", "--model", "mlp", "--seed", "99999999999999999999"], 2, "argument --seed"),
+    (["check", "--model", "mlp", "--atol", "1e9"], 2, "argument --atol: must be <= 1000"),
+    (["check", "--model", "mlp", "--rtol", "inf"], 2, "argument --rtol"),
+    (["check", "--model", "mlp", "--input-shape", "99999,99999"], 2, "--input-shape '99999,99999'"),
+    (["bench", "--threads", "5000"], 2, "argument --threads: must be an integer <= 1024"),
 ]
 if not torch.cuda.is_available():
     BAD += [([cmd, "--device", "cuda", *extra], 2, "this machine has no cuda device")
@@ -134,3 +170,9 @@ def test_train_without_mindspore_names_the_extra_in_one_line():
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--backend mindspore needs MindSpore" in done.stderr
     assert "pip install 'gradaccum[mindspore]'" in done.stderr
+
+
+def test_the_largest_seed_and_epoch_counts_run(tmp_path, capsys):
+    # The upper ends of the ranges are accepted and work (torch, NumPy and the data order).
+    code, err = run(["train", *TINY, "--seed", "4294967295", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err

@@ -66,6 +66,7 @@ def test_bad_batch_options_exit_with_a_message(argv, message, capsys):
     assert code == 2 and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.slow
 def test_compare_runs_each_setting_and_matches_the_large_batch(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["compare", "--settings", "64x1,32x2,16x4", *SMALL, "--out", str(out)]) == 0

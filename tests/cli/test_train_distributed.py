@@ -2,10 +2,13 @@
 global batch (DistributedSampler shares, DDP, one sync per window), printed and written once."""
 
 import numpy as np
+import pytest
 
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
 from tests.ranks import torchrun
+
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
 
 # 600 items: neither process count divides them into whole micro-batches, so the last
 # micro-batch of each epoch is weighted by its items (over both ranks) and flushed.

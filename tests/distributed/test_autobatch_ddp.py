@@ -13,6 +13,8 @@ import torch
 
 from tests.ranks import run_ranks, scenario
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:

@@ -9,6 +9,8 @@ import torch
 
 from tests.ranks import run_ranks, scenario
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 STEPS, WINDOWS = 3, 3  # as in ddp_ranks.py
 
 

@@ -9,6 +9,8 @@ import torch
 
 from tests.ranks import run_ranks, scenario
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 STEPS, WINDOWS, CLIP = 3, 3, 0.2  # as in fsdp_ranks.py
 
 

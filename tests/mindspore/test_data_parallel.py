@@ -18,6 +18,8 @@ from tests.mindspore_reference import LOSS, assert_params_close, data, full_batc
 from tests.mindspore_reference import params_differ as differ
 from tests.ranks import load_ranks, run_msrun, scenario
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 # As in dp_ranks.py.
 STEPS, WINDOWS, GLOBAL_MICRO, CLIP = 2, 3, 8, 0.5
 ITEM_SIZES = ([5, 3], [1, 2])

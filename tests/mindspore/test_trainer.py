@@ -30,6 +30,7 @@ def test_mindspore_run_prints_the_seed_lines_and_writes_metrics(tmp_path, capsys
                                                            (10, 512), (10,)]
 
 
+@pytest.mark.slow  # whole MNIST runs on both backends
 def test_compare_puts_the_backends_side_by_side_and_they_agree(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--settings", "32x2", "--backends", "torch,mindspore", *SMALL,
@@ -58,6 +59,7 @@ def test_settings_the_backend_does_not_run_are_refused(capsys):
     assert err.count("\n") == 1 and "error: --precision bf16: the mindspore backend trains in fp32" in err
 
 
+@pytest.mark.slow  # whole MNIST runs on both backends
 @pytest.mark.parametrize("bn", ["plain", "compound", "groupnorm"])
 def test_cnn_bn_trains_on_mindspore_like_on_torch(tmp_path, bn):
     # Same weights, running statistics, momentum rule and data order: the backends differ by

@@ -13,6 +13,8 @@ from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
 from tests.ranks import run_msrun
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 # 200 items: each rank's 100 split into micro-batches of 16 leave 4, so the run weights by items
 # and flushes a short window at each epoch's end (one process: 200 in micro-batches of 32).
 SMALL = ["--limit-train", "200", "--limit-test", "100", "--epochs", "2", "--no-progress", "--log-every", "2"]

@@ -10,6 +10,8 @@ from torch import nn
 
 from tests.ranks import run_ranks, scenario
 
+pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
+
 WINDOWS = 2  # as in batchnorm_ranks.py
 Results = list[dict[str, Any]]  # per rank, per mode: stats and inputs
 

@@ -3,7 +3,7 @@
 Exit codes, the same for every command:
 
 - 0: done (``check``: equivalent);
-- 1: a failure while running (``check``: not equivalent);
+- 1: a failure while running (``check``: not equivalent; a full disk);
 - 2: bad usage: an argument's value, a file that is missing or not what it should be, a device
   that is not there, an output folder that cannot be written (argparse's own errors included);
 - 3: ``check`` only: the model itself raised;
@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from gradaccum.demos.config import ConfigError
 from gradaccum.demos.extras import MissingExtraError
 from gradaccum.demos.interrupt import Interrupted, handling
+from gradaccum.demos.outputs import OutputError
 
 __all__ = ["EXIT_FAILURE", "EXIT_MODEL", "EXIT_USAGE", "CommandError", "ModelError", "Parser",
            "UsageError", "model_raised", "one_line", "run_command"]
@@ -129,6 +130,9 @@ def run_command(prog: str, func: Callable[[argparse.Namespace], Any], args: argp
     except (ConfigError, MissingExtraError) as err:
         _report(prog, f"error: {one_line(err)}", debug)
         return EXIT_USAGE
+    except OutputError as err:  # a full disk: the run failed, the usage was fine
+        _report(prog, f"error: {err.strerror}", debug)
+        return EXIT_FAILURE
     except Exception as err:  # the point: no traceback, one line
         hint = "" if debug else " (--debug shows the traceback)"
         _report(prog, f"error: {type(err).__name__}: {one_line(err)}{hint}", debug)

@@ -1,7 +1,14 @@
 """Checked option values shared by the commands: argparse types, devices, output folders.
 
 A bad value stops the command before anything runs, with one line naming the option and the
-value (argparse reports a type's ``ArgumentTypeError`` as ``argument --epochs: ...``).
+value (argparse reports a type's ``ArgumentTypeError`` as ``argument --epochs: ...``). Every
+number has a range, its upper end included (docs/CLI.md lists them):
+
+- counts of items, micro-batches or steps: 1 to :data:`MAX_COUNT` (2**24);
+- ``--epochs``: 1 to :data:`MAX_EPOCHS`;
+- ``--seed``: 0 to :data:`MAX_SEED` (2**32 - 1, what torch, NumPy and MindSpore all accept);
+- ``--threads``: 1 to :data:`MAX_THREADS`;
+- ``--lr``: above 0, up to :data:`MAX_LR`; tolerances: 0 to :data:`MAX_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -13,34 +20,94 @@ from pathlib import Path
 
 from gradaccum.cli._errors import UsageError, one_line
 
-__all__ = ["check_device", "finite_float", "nonneg_int", "positive_float", "positive_int",
-           "writable_dir"]
+__all__ = ["MAX_COUNT", "MAX_EPOCHS", "MAX_LR", "MAX_SEED", "MAX_THREADS", "MAX_TOLERANCE",
+           "check_count", "check_device", "epochs_int", "finite_float", "nonneg_int", "out_dir",
+           "positive_float", "positive_int", "seed_int", "threads_int", "writable_dir"]
+
+MAX_COUNT = 2**24  # items per batch, micro-batches per window, probe sizes, limits, intervals
+MAX_EPOCHS = 10_000
+MAX_SEED = 2**32 - 1  # torch (< 2**64), NumPy (< 2**32) and MindSpore seeds all accept it
+MAX_THREADS = 1024
+MAX_LR = 1e30  # beyond it a float32 update overflows for any gradient above 1e-8
+MAX_TOLERANCE = 1e3
 
 
-def _int(text: str, minimum: int, what: str) -> int:
-    """``text`` as an integer >= ``minimum``, written plainly ("3", not "03", "+3" or "3_000")."""
+def _int(text: str, minimum: int, maximum: int) -> int:
+    """``text`` as an integer from ``minimum`` to ``maximum``, written plainly ("3", not "03",
+    "+3", "3_000" or "3e3")."""
     try:
         value = int(text)
     except ValueError:
         value = minimum - 1
     if value < minimum or str(value) != text.strip():
-        raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be an integer <= {maximum}, got {text!r}")
+    return value
+
+
+def check_count(value: int, what: str, maximum: int = MAX_COUNT) -> int:
+    """``value`` if it is at most ``maximum``; for counts parsed inside a larger option's text
+    (``--settings``, ``--steps-schedule``, ``--input-shape``).
+
+    Raises:
+        ValueError: above ``maximum``, naming ``what``.
+
+    Example:
+        >>> check_count(64, "--settings micro-batch")
+        64
+    """
+    if value > maximum:
+        raise ValueError(f"{what} must be <= {maximum}, got {value}")
     return value
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1.
+    """An argparse type: a count, an integer from 1 to :data:`MAX_COUNT`.
 
     Example:
         >>> positive_int("3")
         3
     """
-    return _int(text, 1, ">= 1")
+    return _int(text, 1, MAX_COUNT)
 
 
 def nonneg_int(text: str) -> int:
-    """An argparse type: an integer >= 0 (a seed)."""
-    return _int(text, 0, ">= 0")
+    """An argparse type: an integer from 0 to :data:`MAX_COUNT`."""
+    return _int(text, 0, MAX_COUNT)
+
+
+def epochs_int(text: str) -> int:
+    """An argparse type: a number of epochs, 1 to :data:`MAX_EPOCHS`."""
+    return _int(text, 1, MAX_EPOCHS)
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed, 0 to :data:`MAX_SEED`.
+
+    Example:
+        >>> seed_int("4294967295")
+        4294967295
+    """
+    return _int(text, 0, MAX_SEED)
+
+
+def threads_int(text: str) -> int:
+    """An argparse type: a thread count, 1 to :data:`MAX_THREADS`."""
+    return _int(text, 1, MAX_THREADS)
+
+
+def out_dir(text: str) -> Path:
+    """An argparse type: an output folder's name, not empty (``--out ''`` would write into the
+    current folder).
+
+    Example:
+        >>> out_dir("runs/a")
+        PosixPath('runs/a')
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a folder, got {text!r}")
+    return Path(text)
 
 
 def _float(text: str) -> float:
@@ -51,15 +118,17 @@ def _float(text: str) -> float:
 
 
 def finite_float(text: str) -> float:
-    """An argparse type: a finite number >= 0 (a tolerance)."""
+    """An argparse type: a tolerance, a number from 0 to :data:`MAX_TOLERANCE`."""
     value = _float(text)
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    if value > MAX_TOLERANCE:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_TOLERANCE:g}, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0 (a learning rate).
+    """An argparse type: a learning rate, a number above 0 and at most :data:`MAX_LR`.
 
     Example:
         >>> positive_float("1e-3")
@@ -68,6 +137,8 @@ def positive_float(text: str) -> float:
     value = _float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if value > MAX_LR:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_LR:g}, got {text!r}")
     return value
 
 

@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from gradaccum.cli._options import check_device, positive_int, writable_dir
+from gradaccum.cli._options import check_device, out_dir, threads_int, writable_dir
 
 __all__ = ["add_parser"]
 
@@ -42,11 +42,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "Hugging Face Accelerate, memory against micro-batch, exactness against the "
                     "full batch, and the seed's accumulator's buffers. Writes BENCHMARKS.md and "
                     "PNG figures (minutes on 2 CPU cores; --smoke: seconds).")
-    p.add_argument("--out", type=Path, default=Path("docs"),
+    p.add_argument("--out", type=out_dir, default=Path("docs"),
                    help="folder for BENCHMARKS.md and the figures (default: docs)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves it runs, in seconds")
     p.add_argument("--device", default="cpu", help="cpu or cuda (exactness always runs on CPU)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=threads_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--malloc-compare", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the memory sweep with MALLOC_MMAP_MAX_=0 and a large "
                         "MALLOC_TRIM_THRESHOLD_, in a child process (CPU; default: on)")

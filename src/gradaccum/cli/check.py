@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from gradaccum.cli._errors import ModelError, UsageError, model_raised, one_line
-from gradaccum.cli._options import check_device, finite_float, nonneg_int, positive_int
+from gradaccum.cli._options import check_count, check_device, finite_float, positive_int, seed_int
 
 __all__ = ["add_parser", "load_factory", "parse_shape"]
 
@@ -79,6 +80,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise ValueError(f"--input-shape must be integers like 1,28,28, got {text!r}") from None
     if any(n < 1 for n in shape):
         raise ValueError(f"--input-shape must be integers >= 1, got {text!r}")
+    check_count(math.prod(shape), f"--input-shape {text!r}: the items per sample")
     return shape
 
 
@@ -198,6 +200,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="absolute tolerance (default 1e-12 float64, 1e-6 float32)")
     p.add_argument("--rtol", type=finite_float,
                    help="tolerance relative to the largest update (default 1e-9 float64, 1e-4 float32)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="weights, inputs and RNG state (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="weights, inputs and RNG state (default 0)")
     p.add_argument("--device", default="cpu", help="where to run (default cpu)")
     p.set_defaults(func=_run)

@@ -20,10 +20,11 @@ from types import FrameType
 from typing import Any
 
 from gradaccum.cli._errors import CommandError, UsageError
-from gradaccum.cli._options import check_device, writable_dir
+from gradaccum.cli._options import check_count, check_device, out_dir, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
 from gradaccum.demos.interrupt import Interrupted, handling
 from gradaccum.demos.outputs import CHECKPOINT, atomic_write
+from gradaccum.demos.run_lock import run_lock
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
@@ -35,7 +36,8 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
     """Parse ``"64x1,32x2"`` into ``[(64, 1), (32, 2)]``.
 
     Raises:
-        ValueError: an entry is not ``MICROxSTEPS`` with positive integers.
+        ValueError: an entry is not ``MICROxSTEPS`` with integers from 1 to
+            :data:`~gradaccum.cli._options.MAX_COUNT`.
 
     Example:
         >>> parse_settings("64x1, 8x8")
@@ -46,7 +48,8 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
         micro, sep, steps = entry.strip().partition("x")
         if not (sep and micro.isdigit() and steps.isdigit() and int(micro) > 0 and int(steps) > 0):
             raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
-        settings.append((int(micro), int(steps)))
+        settings.append((check_count(int(micro), "--settings micro-batch"),
+                         check_count(int(steps), "--settings steps")))
     return settings
 
 
@@ -146,10 +149,8 @@ def _clear_previous(out: Path) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.extras import require_demo_extra
-    from gradaccum.demos.metrics import plot_runs, read_metrics
 
     require_demo_extra()
-
     try:
         settings = parse_settings(args.settings)
         backends = [args.backend] if args.backends is None else parse_backends(args.backends)
@@ -159,6 +160,14 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give --backend or --backends, not both")
     check_device(args.device)
     out: Path = writable_dir(args.out)
+    with run_lock(out):  # one compare per folder (each setting's run locks its own)
+        return _compare(args, out, settings, backends)
+
+
+def _compare(args: argparse.Namespace, out: Path, settings: list[tuple[int, int]],
+             backends: list[str]) -> int:
+    from gradaccum.demos.metrics import plot_runs, read_metrics
+
     _clear_previous(out)
     rows: list[dict[str, Any]] = []
     for (micro, steps), backend in ((s, b) for s in settings for b in backends):
@@ -198,7 +207,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                    "with the same seed and data order, and print them side by side.")
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help=f"comma-separated MICROxSTEPS (default {DEFAULT_SETTINGS})")
-    p.add_argument("--out", type=Path, default=Path("runs/compare"),
+    p.add_argument("--out", type=out_dir, default=Path("runs/compare"),
                    help="folder for each run's outputs, compare.md/json and compare.png "
                         "(compare's own: a new compare replaces them)")
     p.add_argument("--backends", default=None, metavar="B1,B2",

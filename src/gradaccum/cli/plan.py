@@ -11,13 +11,14 @@ import argparse
 from typing import Any
 
 from gradaccum.cli._errors import UsageError, model_raised, one_line
-from gradaccum.cli._options import check_device, nonneg_int, positive_int
+from gradaccum.cli._options import check_device, positive_int, seed_int
 
 __all__ = ["add_parser", "load_model"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RECOMMENDED = 0  # --check without a size: check the recommendation
+MAX_BUDGET = 2**60  # 1 EiB: more than any machine has
 
 
 def load_model(spec: str, seed: int = 0) -> tuple[Any, tuple[int, ...] | None]:
@@ -86,6 +87,8 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     from gradaccum.core.memory import parse_bytes
 
     budget = None if args.budget is None else parse_bytes(args.budget)
+    if budget is not None and budget > MAX_BUDGET:
+        raise ValueError(f"--budget must be at most 1 EiB ({MAX_BUDGET} bytes), got {args.budget!r}")
     if args.probe[0] == args.probe[1]:
         raise ValueError(f"--probe needs two different micro-batch sizes, got {args.probe}")
     model, default_shape = load_model(args.model, args.seed)
@@ -177,5 +180,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "steps (or at micro-batch M), and print it beside the prediction")
     p.add_argument("--check-steps", type=positive_int, default=4,
                    help="micro-batches in a --check M window (default 4)")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.set_defaults(func=_run)

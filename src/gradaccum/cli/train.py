@@ -18,12 +18,24 @@ from types import ModuleType
 from typing import Any
 
 from gradaccum.cli._errors import UsageError
-from gradaccum.cli._options import check_device, nonneg_int, positive_float, positive_int, writable_dir
+from gradaccum.cli._options import (
+    check_count,
+    check_device,
+    epochs_int,
+    out_dir,
+    positive_float,
+    positive_int,
+    seed_int,
+)
+from gradaccum.cli._train_folder import folder_lock, prepare_out
 from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
 from gradaccum.demos.interrupt import Interrupted, StopFlag
-from gradaccum.demos.outputs import CHECKPOINT, FINAL_FILES, atomic_write, clear_run, run_files_in
+from gradaccum.demos.outputs import (
+    CHECKPOINT,
+    atomic_write,
+)
 
 __all__ = ["add_experiment_arguments", "add_parser", "config_from_args", "run_config"]
 
@@ -53,8 +65,8 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
         help="scale --lr from --base-batch to the effective batch (gradaccum.lr_scale)")
     add("--base-batch", type=positive_int, default=64, help="the batch --lr was tuned for")
     add("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
-    add("--epochs", type=positive_int, default=3)
-    add("--seed", type=nonneg_int, default=0, help="weights and data order")
+    add("--epochs", type=epochs_int, default=3)
+    add("--seed", type=seed_int, default=0, help="weights and data order")
     add("--end-of-epoch", default="flush", choices=["flush", "carry"],
         help="flush the partial window, or carry it into the next epoch")
     add("--data-dir", type=Path, default=None,
@@ -132,15 +144,25 @@ def _write_outputs(result: RunResult, out: Path) -> None:
               title=f"gradaccum train: {result.config.model}, {result.config.label}")
 
 
+def _check_schedule(text: str) -> None:
+    """Refuse a ``--steps-schedule`` that does not parse, or whose starts or sizes exceed
+    :data:`~gradaccum.cli._options.MAX_COUNT`."""
+    try:
+        table = parse_schedule(text).table()
+        assert table is not None, "a parsed string has a table"
+        for start, size in zip(*table, strict=True):
+            check_count(start, "--steps-schedule start")
+            check_count(size, "--steps-schedule N")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _config(args: argparse.Namespace, world: int) -> tuple[TrainConfig, str]:
     """The run's settings and its header's batch description, from the batch options."""
     if args.steps_schedule is not None:
         if args.steps is not None or args.global_batch is not None:
             raise UsageError("--steps-schedule replaces --steps and --global-batch")
-        try:
-            parse_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
-        except ValueError as err:
-            raise UsageError(str(err)) from None
+        _check_schedule(args.steps_schedule)  # reject a bad schedule before any data is loaded
         micro = SEED_MICRO_BATCH if args.micro_batch is None else args.micro_batch
         config = config_from_args(args, micro, args.steps_schedule, args.out, world=world)
         return config, (f"micro-batch {micro} x steps scheduled {args.steps_schedule} "
@@ -158,44 +180,6 @@ def _config(args: argparse.Namespace, world: int) -> tuple[TrainConfig, str]:
     ranks = f" x {world} ranks" if world > 1 else ""
     return (config_from_args(args, micro, steps, args.out, world=world),
             f"micro-batch {micro} x steps {steps}{ranks} = batch {micro * steps * world}")
-
-
-def _prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> dict[str, Any] | None:
-    """Check ``--out`` against ``--resume`` and ``--overwrite``; the checkpoint to resume, if any.
-
-    One folder holds one run: a new run refuses a folder with another run's files unless told
-    to replace them; ``--resume`` continues the run there with the same settings.
-    """
-    from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
-
-    out = args.out
-    if out is None:
-        for flag, given in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every)):
-            if given:
-                raise UsageError(f"{flag} needs --out, the run's folder")
-        return None
-    held = run_files_in(out)
-    restart = args.resume and held and not set(held) & {CHECKPOINT, *FINAL_FILES}
-    if restart:  # stopped before its first checkpoint: the latest state saved is the start
-        print(f"No checkpoint in {out} yet: the run starts over")
-    elif args.resume:
-        state = load_checkpoint(out)
-        check_resumable(state, config, ranks.world)
-        writable_dir(out)
-        if config.checkpoint_every is None:  # keep the run's own rhythm unless told otherwise
-            config.checkpoint_every = state["config"].get("checkpoint_every")
-        return state
-    writable_dir(out)
-    if held and not (args.overwrite or restart):
-        raise UsageError(f"--out {out} holds another run ({', '.join(held)}): give --resume to "
-                         "continue it or --overwrite to replace it")
-    if ranks.world > 1 and config.backend == "torch":
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank has looked before rank 0 removes anything
-    if held and ranks.main:
-        clear_run(out)
-    return None
 
 
 def _resume_line(args: argparse.Namespace, stop: Interrupted, world: int) -> str:
@@ -258,7 +242,12 @@ def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
 
 def _run_ranks(args: argparse.Namespace, ranks: Ranks) -> int:
     config, batch = _config(args, ranks.world)
-    resume = _prepare_out(args, config, ranks)
+    with folder_lock(args, ranks, config.backend):
+        return _train_in_folder(args, config, batch, ranks)
+
+
+def _train_in_folder(args: argparse.Namespace, config: TrainConfig, batch: str, ranks: Ranks) -> int:
+    resume = prepare_out(args, config, ranks)
     print(f"gradaccum train: {config.model}, {batch}, lr {config.lr:g}, {config.optimizer}, "
           f"{config.epochs} epoch(s)" + (f", resuming the run in {config.out}" if resume else ""))
     # The torch trainer stops at a point of its choosing and checkpoints; the MindSpore one
@@ -300,7 +289,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="change --steps during training, at window boundaries: '0:4,2:2' is 4 "
                         "micro-batches per window for the first 2 optimizer steps, then 2")
     add_experiment_arguments(p)
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=out_dir, default=None,
         help="write metrics.jsonl, summary.json, params.npz and curves.png here (one run per "
              "folder)")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",

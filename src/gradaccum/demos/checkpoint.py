@@ -1,15 +1,22 @@
 """``gradaccum train``'s checkpoint: everything a bit-exact ``--resume`` needs, in one file.
 
-``OUT/checkpoint.pt`` (``torch.save``, loaded with ``weights_only=True``) holds the model, the
+``OUT/checkpoint.pt`` (``torch.save``d, then sealed: a header line with the payload's length
+and SHA-256, :mod:`gradaccum.demos.sealed`; loaded with ``weights_only=True``) holds the model, the
 optimizer, the scheduler (the demo has none: ``None``), the accumulator's state (a partial window
 included), the RNG states (torch CPU and CUDA, Python's ``random``, NumPy's), the position in the
 data (epoch and next micro-batch; each epoch's order is drawn from the seed and the epoch alone),
 the metrics so far, and the settings that change the result, which ``--resume`` must repeat.
-It is written through a temporary file and renamed (:func:`gradaccum.demos.outputs.atomic_write`).
+It is written through a temporary file and renamed (:func:`gradaccum.demos.outputs.atomic_write`);
+a temporary file a killed run left behind is removed at the next save and on ``--resume``.
+
+``--resume`` refuses, in one line and before anything changes, a file that is damaged, truncated
+or edited (its seal), of another format, or whose fields do not hold together: every top-level
+field, the RNG states and the position are checked (:mod:`gradaccum.demos.checkpoint_fields`).
 """
 
 from __future__ import annotations
 
+import io
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,13 +26,15 @@ import numpy as np
 import torch
 
 from gradaccum import __version__
+from gradaccum.demos.checkpoint_fields import check_keys, check_position, check_rng
 from gradaccum.demos.config import ConfigError, TrainConfig
-from gradaccum.demos.outputs import CHECKPOINT, atomic_write
+from gradaccum.demos.outputs import CHECKPOINT, atomic_write, clear_leftovers
+from gradaccum.demos.sealed import SealError, seal, unseal
 
-__all__ = ["FORMAT", "FREE_FIELDS", "Position", "check_resumable", "load_checkpoint",
-           "restore_rng", "rng_state", "save_checkpoint"]
+__all__ = ["FORMAT", "FREE_FIELDS", "Position", "check_resumable", "load_checkpoint", "read_state",
+           "restore_rng", "rng_state", "save_checkpoint", "write_state"]
 
-FORMAT = 1
+FORMAT = 2  # 2: sealed (0.2.x wrote format 1, a bare torch.save)
 # Settings that do not change the result: a resumed run may give other values.
 FREE_FIELDS = frozenset({"data_dir", "log_every", "progress", "out", "checkpoint_every"})
 
@@ -98,26 +107,66 @@ def save_checkpoint(out: Path, *, config: TrainConfig, world: int, model: torch.
         "accumulator": accumulator.state_dict(),
         "rng": rng_state(torch.device(config.device)), "position": asdict(position),
     }
-    return atomic_write(out / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+    path = write_state(out / CHECKPOINT, state)
+    clear_leftovers(out, CHECKPOINT)  # a killed run's temporary file
+    return path
+
+
+def write_state(path: Path, state: dict[str, Any]) -> Path:
+    """Serialize ``state`` with ``torch.save``, seal it and write it atomically to ``path``.
+
+    The bytes are built in memory first, so that a full disk fails in the plain file write
+    (an ``OSError`` that says so), never inside ``torch.save``'s zip writer.
+
+    Example:
+        >>> import tempfile
+        >>> path = write_state(Path(tempfile.mkdtemp()) / "x.pt", {"a": 1})
+        >>> read_state(path)
+        {'a': 1}
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = seal(buffer.getvalue())
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def read_state(path: Path) -> Any:
+    """Read what :func:`write_state` wrote, once its seal proves the bytes.
+
+    Raises:
+        ConfigError: the file is not sealed, is damaged, truncated or edited, or does not load.
+    """
+    try:
+        payload = unseal(path.read_bytes())
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except SealError as err:
+        raise ConfigError(f"--resume: {path} is refused: {err}") from None
+    except Exception as err:  # whatever makes it unreadable, it is the same usage error
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint "
+                          f"({type(err).__name__}: {first})") from err
 
 
 def load_checkpoint(out: Path) -> dict[str, Any]:
-    """Read ``out/checkpoint.pt``.
+    """Read ``out/checkpoint.pt``, proven by its seal, and check its top-level fields.
 
     Raises:
-        ConfigError: there is none, or it is not a checkpoint of this format.
+        ConfigError: there is none; it is damaged, truncated or edited; it is not a checkpoint
+            of this format, or a field is missing or of the wrong type.
     """
     path = out / CHECKPOINT
     if not path.is_file():
         finished = " (the run there finished)" if (out / "summary.json").is_file() else ""
         raise ConfigError(f"--resume: no {CHECKPOINT} in {out}{finished}; nothing to resume")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # whatever makes it unreadable, it is the same usage error
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    clear_leftovers(out, CHECKPOINT)
+    data = path.read_bytes()
+    if not data.startswith(b"gradaccum-sealed"):
+        raise ConfigError(f"--resume: {path} is not a gradaccum train checkpoint of format {FORMAT} "
+                          "(no integrity header: damaged, or written by gradaccum 0.2 or earlier)")
+    state = read_state(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"--resume: {path} is not a gradaccum train checkpoint of format {FORMAT}")
+    check_keys(state, CHECKPOINT)
     return state
 
 
@@ -128,13 +177,14 @@ def _flag(name: str, value: Any) -> str:
 
 
 def check_resumable(state: dict[str, Any], config: TrainConfig, world: int) -> None:
-    """Refuse to resume a checkpoint with settings that change the result.
+    """Refuse to resume a checkpoint with settings that change the result, or whose RNG states
+    or position do not fit them (the epoch within ``--epochs``, the metrics so far in step).
 
     Raises:
-        ConfigError: the first setting that differs, with both values.
+        ConfigError: the first setting that differs, with both values; or the first field wrong.
 
     Example:
-        >>> saved = {"config": TrainConfig(lr=0.01).to_json(), "world": 1}
+        >>> saved = {"config": TrainConfig(lr=0.01).to_json(), "world": 1, "position": {}, "rng": {}}
         >>> try:
         ...     check_resumable(saved, TrainConfig(lr=0.02), 1)
         ... except ConfigError as err:
@@ -150,3 +200,5 @@ def check_resumable(state: dict[str, Any], config: TrainConfig, world: int) -> N
             raise ConfigError(f"--resume: {_flag(name, value)} is {value!r} here but "
                               f"{saved.get(name)!r} in the run being resumed; give the run's own "
                               "arguments")
+    check_rng(state["rng"], config.device, CHECKPOINT)
+    check_position(state["position"], config, CHECKPOINT)

@@ -16,6 +16,7 @@ from torch import nn
 
 from gradaccum.core import parse_schedule
 from gradaccum.demos.checkpoint import Position, restore_rng, save_checkpoint
+from gradaccum.demos.checkpoint_fields import check_position
 from gradaccum.demos.config import ConfigError, EpochResult, RunResult, TrainConfig
 from gradaccum.demos.distributed import Log, Ranks, current_ranks, epoch_order, rank_log, wrap
 from gradaccum.demos.epochs import run_epochs
@@ -110,6 +111,9 @@ def _load_data(config: TrainConfig) -> tuple[torch.Tensor, ...]:
 
 def _restore(run: _Run, state: dict[str, Any]) -> None:
     """Load a checkpoint into a freshly built run (its settings already checked)."""
+    per_rank = -(-len(run.x) // run.ranks.world)
+    check_position(state["position"], run.config, CHECKPOINT,
+                   micro_batches=math.ceil(per_rank / run.config.micro_batch))
     try:
         run.model.load_state_dict(state["model"])
         run.acc.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,98 @@
+"""``gradaccum train``'s output folder: one run per folder, held by a lock while the run uses it;
+a new run, ``--resume`` or ``--overwrite`` decided against what the folder holds."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from gradaccum.cli._errors import UsageError
+from gradaccum.cli._options import writable_dir
+from gradaccum.demos.config import TrainConfig
+from gradaccum.demos.distributed import Ranks
+from gradaccum.demos.outputs import (
+    CHECKPOINT,
+    FINAL_FILES,
+    RUN_FILES,
+    clear_leftovers,
+    clear_run,
+    run_files_in,
+)
+from gradaccum.demos.run_lock import RunLockError, run_lock
+
+__all__ = ["folder_lock", "prepare_out"]
+
+
+def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> dict[str, Any] | None:
+    """Check ``--out`` against ``--resume`` and ``--overwrite``; the checkpoint to resume, if any.
+
+    One folder holds one run: a new run refuses a folder with another run's files unless told
+    to replace them; ``--resume`` continues the run there with the same settings.
+    """
+    from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
+
+    out = args.out
+    if out is None:
+        for flag, given in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every)):
+            if given:
+                raise UsageError(f"{flag} needs --out, the run's folder")
+        return None
+    if ranks.main:  # the folder's lock is held: a temporary file there is a killed run's
+        for name in RUN_FILES:
+            clear_leftovers(out, name)
+    held = run_files_in(out)
+    restart = args.resume and held and not set(held) & {CHECKPOINT, *FINAL_FILES}
+    if restart:  # stopped before its first checkpoint: the latest state saved is the start
+        print(f"No checkpoint in {out} yet: the run starts over")
+    elif args.resume:
+        state = load_checkpoint(out)
+        check_resumable(state, config, ranks.world)
+        writable_dir(out)
+        if config.checkpoint_every is None:  # keep the run's own rhythm unless told otherwise
+            config.checkpoint_every = state["config"].get("checkpoint_every")
+        return state
+    writable_dir(out)
+    if held and not (args.overwrite or restart):
+        raise UsageError(f"--out {out} holds another run ({', '.join(held)}): give --resume to "
+                         "continue it or --overwrite to replace it")
+    if ranks.world > 1 and config.backend == "torch":
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank has looked before rank 0 removes anything
+    if held and ranks.main:
+        clear_run(out)
+    return None
+
+
+@contextlib.contextmanager
+def folder_lock(args: argparse.Namespace, ranks: Ranks, backend: str) -> Iterator[None]:
+    """Hold ``--out``'s run lock (rank 0) while this run uses the folder: a second run into it
+    exits 2 naming the first (:mod:`gradaccum.demos.run_lock`). Under torchrun every rank learns
+    whether rank 0 got it, so that all of them stop together when it did not."""
+    out = args.out
+    if out is None or (args.resume and not out.is_dir()):  # nothing to lock; prepare_out says why
+        yield
+        return
+    if ranks.main:
+        writable_dir(out)
+    with contextlib.ExitStack() as stack:
+        failure: RunLockError | None = None
+        if ranks.main:
+            try:
+                stack.enter_context(run_lock(out))
+            except RunLockError as err:
+                failure = err
+        if ranks.world > 1 and backend == "torch":
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([failure is not None], dtype=torch.int32,
+                                device=torch.device(args.device) if dist.get_backend() == "nccl" else "cpu")
+            dist.broadcast(flag, src=0)
+            if int(flag.item()) and failure is None:
+                failure = RunLockError(f"--out {out} is in use by another gradaccum run (rank 0 says)")
+        if failure is not None:
+            raise failure
+        yield
