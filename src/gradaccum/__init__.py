@@ -3,6 +3,11 @@
 Split each batch into micro-batches, accumulate their gradients, update once: exactly the same
 update as the large batch, to float tolerance.
 
+``import gradaccum`` loads the framework-free core only; the PyTorch names (``Accumulator``,
+``AutoBatch``, ``check_equivalence``, ...) import torch when first used, so that
+``gradaccum.mindspore`` and ``gradaccum.core`` work where torch is not installed. Without torch,
+using a PyTorch name raises one ImportError that names what to install.
+
 Example:
     >>> import torch, gradaccum
     >>> model = torch.nn.Linear(4, 1)
@@ -14,6 +19,11 @@ Example:
     1
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gradaccum.core import (
     Schedule,
     check_batch_sizes,
@@ -24,27 +34,55 @@ from gradaccum.core import (
     split_sizes,
 )
 from gradaccum.core.memory import MemoryEstimate
-from gradaccum.torch import (
-    Accumulator,
-    AutoBatch,
-    CheckReport,
-    MicroBatch,
-    NoMicroBatchFitsError,
-    WindowBatchNorm,
-    batch_size,
-    check_equivalence,
-    count_tokens,
-    is_oom_error,
-    restore_batchnorm,
-    restore_momentum_,
-    scale_momentum_,
-    split_batch,
-    to_groupnorm,
-    to_window_batchnorm,
-    window_batchnorm,
-)
 
 __version__ = "0.2.0"
+
+# The public names that live in gradaccum.torch: loaded on first use (PEP 562), so that the
+# MindSpore adapter and the core never need torch. Type checkers see the import below.
+_TORCH_NAMES = frozenset({
+    "Accumulator", "AutoBatch", "CheckReport", "MicroBatch", "NoMicroBatchFitsError",
+    "WindowBatchNorm", "batch_size", "check_equivalence", "count_tokens", "is_oom_error",
+    "restore_batchnorm", "restore_momentum_", "scale_momentum_", "split_batch", "to_groupnorm",
+    "to_window_batchnorm", "window_batchnorm",
+})
+
+if TYPE_CHECKING:
+    from gradaccum import torch as torch  # the adapter module, as after an eager import
+    from gradaccum.torch import (
+        Accumulator,
+        AutoBatch,
+        CheckReport,
+        MicroBatch,
+        NoMicroBatchFitsError,
+        WindowBatchNorm,
+        batch_size,
+        check_equivalence,
+        count_tokens,
+        is_oom_error,
+        restore_batchnorm,
+        restore_momentum_,
+        scale_momentum_,
+        split_batch,
+        to_groupnorm,
+        to_window_batchnorm,
+        window_batchnorm,
+    )
+else:
+    # Only at run time: a type checker that saw a module __getattr__ would accept any name.
+    def __getattr__(name: str) -> Any:
+        """Load a PyTorch name (or the ``gradaccum.torch`` module itself) on first use."""
+        if name != "torch" and name not in _TORCH_NAMES:
+            raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
+        # gradaccum.torch raises the one-line ImportError naming what to install without torch.
+        api = importlib.import_module("gradaccum.torch")
+        value = api if name == "torch" else getattr(api, name)
+        globals()[name] = value  # later look-ups are plain module attributes
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _TORCH_NAMES)
+
 
 __all__ = [
     "Accumulator",

@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-# Load gradaccum.core without running gradaccum/__init__.py (which imports the torch adapter).
+# Load gradaccum.core without running gradaccum/__init__.py, so that only the core is judged
+# (tests/test_without_torch.py imports it through the package, with torch blocked).
 CODE = """
 import importlib.util, pathlib, sys, types
 root = pathlib.Path(importlib.util.find_spec('gradaccum').submodule_search_locations[0])

@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from gradaccum.cli._errors import Parser, run_command
+from gradaccum.cli._errors import EXIT_USAGE, Parser, run_command
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torch_importable() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
@@ -67,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except SystemExit as done:  # --help, --version, or a usage error already printed in one line
         return done.code if isinstance(done.code, int) else 2
+    except ImportError as err:
+        # Every command runs PyTorch demo models (the mindspore backend starts from their weights),
+        # so the commands load torch; without it, one line naming what to install, as for an extra.
+        if _torch_importable():
+            raise
+        print(f"gradaccum: the command line needs torch: pip install torch ({err})", file=sys.stderr)
+        return EXIT_USAGE
     if args.command is None:
         parser.print_help()
         return 2

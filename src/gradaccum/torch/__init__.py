@@ -3,7 +3,17 @@
 ``accumulator.py`` and its private helpers (``_*.py``) are the hot path; each feature has a
 folder of its own, matching its page in ``docs/``: ``distributed/``, ``check/``, ``memory/``,
 ``batchnorm/``.
+
+Needs PyTorch (``pip install torch``); ``gradaccum.core`` and ``gradaccum.mindspore`` do not.
 """
+
+try:
+    import torch  # noqa: F401
+except ImportError as err:
+    raise ImportError(
+        "gradaccum's PyTorch API needs torch: pip install torch "
+        f"(importing torch failed: {err})"
+    ) from err
 
 from gradaccum.torch.accumulator import Accumulator, MicroBatch
 from gradaccum.torch.batchnorm.convert import restore_batchnorm, to_groupnorm

@@ -214,7 +214,8 @@ def window_batchnorm(model: nn.Module, accumulator: Accumulator, *, sync: bool |
     Args:
         model: the model, before or after wrapping in ``DistributedDataParallel``.
         accumulator: the :class:`Accumulator` whose boundaries commit the statistics.
-        sync, process_group: as in :func:`to_window_batchnorm`.
+        sync: as in :func:`to_window_batchnorm`.
+        process_group: as in :func:`to_window_batchnorm`.
 
     Returns:
         The model (use the returned object: the root itself may have been a BatchNorm).

@@ -72,7 +72,8 @@ def check_equivalence(
             runs item-weighted: the full batch's loss is the mean over all its items, and each
             micro-batch goes through ``acc.backward(loss, n_items)``.
         dtype: convert the model and floating inputs to this dtype (``None``: leave as is).
-        atol, rtol: the tolerance; defaults from :data:`DEFAULT_TOLERANCES` for the dtype.
+        atol: the absolute tolerance; default from :data:`DEFAULT_TOLERANCES` for the dtype.
+        rtol: the relative tolerance; default from :data:`DEFAULT_TOLERANCES` for the dtype.
         seed: seeds the weights (factory), the random batch and the RNG state of both runs.
         device: where to run.
         label: the model's name in the report.

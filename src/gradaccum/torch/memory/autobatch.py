@@ -115,7 +115,7 @@ class AutoBatch:
             NoMicroBatchFitsError: ``"auto"`` ran out of memory at micro-batch 1.
             RuntimeError: under DDP, an OOM inside the last, synchronizing micro-batch.
             ValueError: under DDP, ranks split their batches into different numbers of parts.
-            Any other error of ``loss_fn`` or the optimizer, unchanged.
+            Exception: any other error of ``loss_fn`` or the optimizer, unchanged.
         """
         total = batch_size(batch)
         saved = self._snapshot() if self.auto else None
