@@ -78,7 +78,10 @@ def check_equivalence(
             their own generator.
         loss: ``"mse"``, ``"cross-entropy"`` (classes on dimension 1), ``"token-cross-entropy"``
             (a language model's ``[..., vocab]`` logits against token ids, -100 ignored,
-            item-weighted), or ``loss(output, targets)`` returning the batch's mean loss, or
+            item-weighted), ``"causal-lm"`` (a causal LM's own ``output.loss`` when it has one,
+            else the cross-entropy of its logits against the labels shifted by one; item-weighted
+            by ``count_tokens(labels, shift=True)``: a Hugging Face model given a dict sample
+            with its ``labels``), or ``loss(output, targets)`` returning the batch's mean loss, or
             ``(mean loss, n_items)``: its mean over ``n_items`` items (tokens). A pair makes both
             runs item-weighted: the full batch's loss is the mean over all its items, and each
             micro-batch goes through ``acc.backward(loss, n_items)``.
