@@ -172,7 +172,8 @@ def test_a_count_off_by_a_constant_names_both_totals():
                                loss=lambda out, t: (mean_loss(out, t), count_tokens(t) + 1))
     assert not report.equivalent
     assert ("n_items counts 32 items but the loss averaged over 28: the loss values fit a mean over "
-            "count_tokens(labels) (per micro-batch 3, 12, 4, 9, against the 4, 13, 5, 10 passed)") in text(report)
+            "count_tokens(labels) (per micro-batch 3, 12, 4, 9, against the 4, 13, 5, 10 passed)"
+            ) in text(report)
     assert "shift" not in text(report)
 
 

@@ -39,7 +39,7 @@ class CountRule:
 
 
 def _rules(targets: torch.Tensor) -> list[CountRule]:
-    ignored = {-100, -1} | {int(v) for v in targets.unique() if int(v) < 0}
+    ignored = {-100, -1} | {int(v) for v in torch.unique(targets) if int(v) < 0}
     shifts = (False, True) if targets.dim() >= 2 else (False,)
     return [CountRule(i, s) for i in sorted(ignored) for s in shifts]
 
@@ -115,7 +115,8 @@ def count_hint(targets: torch.Tensor | None, steps: int, full_loss: float, losse
                     f"each sequence that has labels ({rows} sequences): a causal LM's loss drops each "
                     f"sequence's first label, so pass n_items={rule}.")
         return (f"n_items counts {total} items but the loss averaged over {fitted}: it counts the "
-                f"shifted labels, and this loss does not shift them: pass n_items={rule}, without shift=True.")
+                f"shifted labels, and this loss does not shift them: pass n_items={rule}, without "
+                "shift=True.")
     return (f"n_items counts {total} items but the loss averaged over {fitted}: the loss values "
             f"fit a mean over {rule} (per micro-batch {', '.join(map(_num, counts))}, against the "
             f"{', '.join(map(_num, passed))} passed). Pass the count the loss itself divides by.")

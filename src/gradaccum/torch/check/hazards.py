@@ -173,8 +173,9 @@ def unused_on_ranks(model: nn.Module, got_grad: Sequence[set[str]]) -> list[Haza
             ranks = [str(r) for r, got in enumerate(got_grad)
                      if any(full not in got for _, full in own)]
             hazards.append(Hazard(name or "(model)", type(module).__name__,
-                                  f"its parameter(s) {', '.join(missing)} received no gradient on rank "
-                                  f"{', '.join(ranks)}: DDP waits for them, so the gradient bucket "
+                                  f"its parameter(s) {', '.join(missing)} received no gradient on rank"
+                                  f"{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: DDP waits "
+                                  "for them, so the gradient bucket "
                                   "holding them is never all-reduced and each rank keeps its own "
                                   "gradients for that bucket's parameters", UNUSED_FIX))
     return hazards

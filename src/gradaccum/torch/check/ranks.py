@@ -52,9 +52,10 @@ def rank_windows(base: nn.Module, batch: Batch, targets: torch.Tensor, loss: Any
     """
     check_picklable("the model (its class)", base)
     check_picklable("loss", loss)
-    payload = {"model": copy.deepcopy(base).cpu(), "batch": batch.to(torch.device("cpu")), "targets": targets.cpu(),
-               "loss": loss, "steps": steps, "weighted": weighted, "ddp": dict(ddp_kwargs or {})}
-    return run_on_ranks(_window_on_rank, payload, world_size, timeout=timeout)  # type: ignore[no-any-return]
+    payload = {"model": copy.deepcopy(base).cpu(), "batch": batch.to(torch.device("cpu")),
+               "targets": targets.cpu(), "loss": loss, "steps": steps, "weighted": weighted, "ddp": dict(ddp_kwargs or {})}
+    results: list[RankResult] = run_on_ranks(_window_on_rank, payload, world_size, timeout=timeout)
+    return results
 
 
 def _window_on_rank(rank: int, world: int, payload: dict[str, Any]) -> RankResult:
@@ -71,7 +72,8 @@ def _window_on_rank(rank: int, world: int, payload: dict[str, Any]) -> RankResul
     got: set[str] = set()
     for name, p in model.named_parameters():
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda _p, _n=name: got.add(_n))
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda _p, _n=name: got.add(_n))
     ddp = DistributedDataParallel(model, **payload["ddp"])
     acc = Accumulator(torch.optim.SGD(ddp.parameters(), lr=1.0), payload["steps"], model=ddp)
     run = Run()

@@ -74,9 +74,8 @@ def format_report(report: CheckReport) -> str:
     """
     s = report.settings
     world = s.get("world_size", 1)
-    against = (f"{s['steps']} micro-batches of {s['micro_batch']}" if world == 1 else
-               f"{world} DDP ranks (gloo processes) of {s['steps']} micro-batches of {s['micro_batch']} "
-               "each")
+    micro = f"{s['steps']} micro-batch{'es' if s['steps'] != 1 else ''} of {s['micro_batch']}"
+    against = micro if world == 1 else f"{world} DDP ranks (gloo processes) of {micro} each"
     head = (f"gradaccum check: {s['model']} ({s['dtype']}, {s['device']}), one SGD step (lr 1) on a "
             f"batch of {s['batch']} against {against}, from the same weights and RNG state (loss: "
             f"{s['loss']}). A tensor agrees when max|diff| <= atol + rtol * scale, atol={s['atol']:g}, "

@@ -88,7 +88,8 @@ def make_batch(sample: Any, steps: int, micro_batch: int, dtype: torch.dtype | N
     elif isinstance(sample, Mapping) and any(isinstance(v, torch.Tensor) for v in sample.values()):
         bad = [k for k in sample if not isinstance(k, str)]
         if bad:
-            raise TypeError(f"a dict sample holds keyword arguments: its keys must be strings, got {bad[0]!r}")
+            raise TypeError(f"a dict sample holds keyword arguments: its keys must be strings, "
+                            f"got {bad[0]!r}")
         kwargs = dict(sample)
     else:
         raise TypeError(f"sample must be a tensor, a tuple of tensors, a dict of keyword arguments "

@@ -79,7 +79,7 @@ def _rank_main(fn: RankFn, rank: int, world: int, port: int, folder: str, timeou
                                 world_size=world, timeout=timedelta(seconds=timeout))
         result: Any = {"ok": fn(rank, world, payload)}
         healthy = True
-    except BaseException as err:  # noqa: BLE001 - every failure goes back to the caller
+    except BaseException as err:  # every failure goes back to the caller
         result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         healthy = False
     torch.save(result, out / f"rank{rank}.pt")
@@ -88,7 +88,7 @@ def _rank_main(fn: RankFn, rank: int, world: int, port: int, folder: str, timeou
         try:
             dist.barrier()  # no rank leaves while another still talks to it
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             code = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -153,7 +153,7 @@ def _wait(procs: list[Any], timeout: float) -> None:
 
 def _collect(folder: Path, procs: list[Any], timeout: float) -> list[Any]:
     results = []
-    for rank, p in enumerate(procs):
+    for rank in range(len(procs)):
         path = folder / f"rank{rank}.pt"
         saved: Any = None
         with contextlib.suppress(Exception):
