@@ -53,7 +53,8 @@ def rank_windows(base: nn.Module, batch: Batch, targets: torch.Tensor, loss: Any
     check_picklable("the model (its class)", base)
     check_picklable("loss", loss)
     payload = {"model": copy.deepcopy(base).cpu(), "batch": batch.to(torch.device("cpu")),
-               "targets": targets.cpu(), "loss": loss, "steps": steps, "weighted": weighted, "ddp": dict(ddp_kwargs or {})}
+               "targets": targets.cpu(), "loss": loss, "steps": steps, "weighted": weighted,
+               "ddp": dict(ddp_kwargs or {})}
     results: list[RankResult] = run_on_ranks(_window_on_rank, payload, world_size, timeout=timeout)
     return results
 
