@@ -236,3 +236,18 @@ def test_the_hugging_face_recipe_without_shift_is_refused_and_told_to_shift():
     assert max(d.rel for d in report.diffs) > 1e-2  # far above float32's 1e-4
     assert "one fewer in each sequence that has labels (8 sequences)" in text(report)
     assert "count_tokens(labels, shift=True)" in text(report)
+
+
+def test_the_hf_check_recipe_in_the_doc_runs_as_printed(capsys):
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "CHECK.md").read_text()
+    code = re.search(r"<!-- recipe: hf-check -->\n```python\n(.*?)```", doc, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "CHECK.md[hf-check]", "exec"), namespace)
+    report = namespace["report"]
+    assert report.equivalent and "EQUIVALENT: all 28 tensors agree" in capsys.readouterr().out
+    # float32's rounding shows, far inside float32's tolerance (the page prints one run's 7.8e-08)
+    assert 1e-9 < max(d.rel for d in report.diffs) < 1e-6

@@ -155,3 +155,17 @@ def test_two_gloo_ranks_each_splitting_their_share():
     assert report.exact and report.world_size == 2
     assert [r.split for r in report.results] == [(6,), (2, 2, 2)]
     assert "on each of 2 ranks" in str(report)
+
+
+def test_the_recipe_in_the_doc_prints_what_the_page_shows(capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "TESTING.md").read_text()
+    code = re.search(r"<!-- recipe: testing -->\n```python\n(.*?)```", doc, re.S).group(1)
+    exec(compile(code, "TESTING.md[testing]", "exec"), {})
+    printed = re.search(r"\nprints\n\n```\n(.*?)```", doc, re.S).group(1)
+    words = re.search(r"\(the `\.\.\.` stands for `(.*?)`\)", doc, re.S).group(1).replace("\n", " ")
+    rounding = re.compile(r"\d\.\de-1\d")  # float64 rounding: its last digits may vary by machine
+    expected = rounding.sub("R", printed.replace("...", words))
+    assert rounding.sub("R", capsys.readouterr().out) == expected
