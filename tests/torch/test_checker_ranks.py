@@ -21,6 +21,19 @@ class HalfUsed(nn.Module):
         return self.used(x)
 
 
+class FailsOnRanks(nn.Module):
+    """Raises in its forward only inside a process group: the error of a rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if torch.distributed.is_initialized():
+            raise RuntimeError(f"boom on rank {torch.distributed.get_rank()}")
+        return self.lin(x)
+
+
 def mlp():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -91,6 +104,14 @@ def test_a_rank_without_items_is_named_before_any_process_starts():
     report = check_equivalence(token_model, ids, 1, targets=labels, loss=token_loss, world_size=2)
     assert not report.equivalent
     assert [(h.module, h.kind) for h in report.hazards] == [("(rank 1, micro-batch 0)", "no items")]
+
+
+def test_a_rank_that_raises_ends_the_check_with_its_error():
+    from gradaccum.torch.check.spawn import RankError
+
+    with pytest.raises(RankError, match=r"rank 0: RuntimeError: boom on rank 0") as err:
+        check_equivalence(FailsOnRanks, (4,), 1, micro_batch=2, world_size=2)
+    assert err.value.rank == 0 and "Traceback" in str(err.value)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

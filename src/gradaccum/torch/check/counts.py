@@ -75,9 +75,10 @@ def loss_count(targets: torch.Tensor | None, steps: int, full_loss: float, losse
         fits, or the targets are not integer labels.
 
     Example:
-        >>> labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
-        >>> loss_count(labels, 2, 2.0, [1.0, 2.5], [2, 3], torch.float32) is None  # (2 + 7.5) / 5 != 2
-        False
+        >>> labels = torch.tensor([[1, 2, -100], [3, 4, 5]])  # 2 + 3 labels; 1 + 2 once shifted
+        >>> rule, counts = loss_count(labels, 2, 2.0, [1.0, 2.5], [2, 3], torch.float32)
+        >>> str(rule), counts  # (1.0 * 1 + 2.5 * 2) / 3 == 2.0; (1.0 * 2 + 2.5 * 3) / 5 != 2.0
+        ('count_tokens(labels, shift=True)', [1, 2])
     """
     if targets is None or targets.is_floating_point() or targets.dtype == torch.bool or targets.dim() == 0:
         return None
