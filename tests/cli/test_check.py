@@ -83,3 +83,34 @@ def test_exit_code_reaches_the_shell():
     out = subprocess.run([sys.executable, "-m", "gradaccum", "check", "--model", "cnn-bn",
                           "--micro-batch", "1", "--steps", "2"], capture_output=True, text=True)
     assert out.returncode == 1 and "BatchNorm2d" in out.stdout
+
+
+RANKS_FACTORY = """
+from torch import nn
+
+def bn_net():
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+"""
+
+
+def test_world_size_runs_ranks_and_names_batchnorm(capsys, tmp_path, monkeypatch):
+    (tmp_path / "ranknets.py").write_text(RANKS_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "--model", "ranknets:bn_net", "--input-shape", "5", "--steps", "1",
+                 "--micro-batch", "4", "--world-size", "2"]) == 1
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "against 2 DDP ranks (gloo processes) of 1 micro-batch of 4 each" in out
+    assert "1 (BatchNorm1d)" in out and "SyncBatchNorm" in out
+
+
+def test_world_size_usage_errors_exit_2(capsys, tmp_path):
+    path = tmp_path / "batch.pt"
+    torch.save({"inputs": torch.randn(6, 1, 28, 28), "targets": torch.randn(6, 10)}, path)
+    for argv, message in [
+        (["--model", "mlp", "--world-size", "0"], "--world-size"),
+        (["--model", "mlp", "--sample", str(path), "--steps", "2", "--world-size", "2"],
+         "world_size=2 x steps=2"),
+    ]:
+        assert main(["check", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv

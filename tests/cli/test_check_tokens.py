@@ -84,3 +84,32 @@ def test_vocab_usage_errors_exit_2(capsys, tmp_path, monkeypatch):
 def test_the_command_offers_the_checkers_losses():
     # The command line keeps its own copy so that building the parser imports no torch module.
     assert cli_check.LOSSES == losses.LOSSES
+
+
+HF_FACTORY = """
+import transformers
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+"""
+
+
+def test_a_hugging_face_batch_of_keyword_arguments_with_its_own_loss(capsys, tmp_path, monkeypatch):
+    import pytest
+
+    pytest.importorskip("transformers")
+    (tmp_path / "hfnets.py").write_text(HF_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (8, 16), generator=gen)
+    mask = (torch.arange(16) < torch.randint(1, 17, (8,), generator=gen)[:, None]).long()
+    ids = ids * mask
+    torch.save({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)},
+               tmp_path / "hf.pt")
+    assert main(["check", "--model", "hfnets:gpt2", "--sample", "hf.pt", "--loss", "causal-lm"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "The loss is float32 while the model is float64" in out and "EQUIVALENT: all" in out

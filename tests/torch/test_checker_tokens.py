@@ -75,7 +75,7 @@ def test_wrong_count_is_caught_and_hinted():
 
     report = check_equivalence(token_model, ids, 4, targets=targets, loss=off_by_one)
     assert not report.equivalent
-    assert "count_tokens(labels, shift=True)" in str(report).replace("\n", " ")
+    assert "pass n_items=count_tokens(labels), without shift=True" in str(report).replace("\n", " ")
 
 
 def test_counts_that_do_not_add_up_are_noted():

@@ -15,13 +15,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gradaccum.cli._errors import ModelError, UsageError, model_raised, one_line
+from gradaccum.cli._errors import CommandError, ModelError, UsageError, model_raised, one_line
 from gradaccum.cli._options import check_count, check_device, finite_float, positive_int, seed_int
 
 __all__ = ["add_parser", "load_factory", "parse_shape"]
 
 DTYPES = ("float64", "float32")
-LOSSES = ("mse", "cross-entropy", "token-cross-entropy")
+LOSSES = ("mse", "cross-entropy", "token-cross-entropy", "causal-lm")
 
 
 def load_factory(spec: str) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
@@ -85,7 +85,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def _load_sample(path: str) -> tuple[Any, Any]:
-    """``--sample``: a non-empty tensor, tuple of tensors, or ``{'inputs': ..., 'targets': ...}``.
+    """``--sample``: a non-empty tensor, tuple of tensors, dict of keyword arguments, or
+    ``{'inputs': ..., 'targets': ...}`` (the inputs any of the former).
 
     Raises:
         UsageError: the file is missing, not a ``torch.save`` file, or holds no items.
@@ -100,13 +101,17 @@ def _load_sample(path: str) -> tuple[Any, Any]:
         raise UsageError(f"--sample {path} is not a torch.save file "
                          f"({type(err).__name__}: {one_line(err)})") from None
     inputs, targets = loaded, None
-    if isinstance(loaded, dict):
-        inputs, targets = loaded.get("inputs"), loaded.get("targets")
-    tensors = [inputs] if isinstance(inputs, torch.Tensor) else inputs
-    if not (isinstance(tensors, (tuple, list)) and tensors
-            and all(isinstance(t, torch.Tensor) for t in tensors)):
+    if isinstance(loaded, dict) and "inputs" in loaded:
+        inputs, targets = loaded["inputs"], loaded.get("targets")
+    if isinstance(inputs, torch.Tensor):
+        tensors = [inputs]
+    elif isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]  # keyword arguments
+    else:
+        tensors = list(inputs) if isinstance(inputs, (tuple, list)) else []
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise UsageError(f"--sample {path} holds {type(loaded).__name__}, not a tensor, a tuple of "
-                         "tensors or {'inputs': ..., 'targets': ...}")
+                         "tensors, a dict of keyword arguments or {'inputs': ..., 'targets': ...}")
     if any(t.dim() == 0 or t.shape[0] == 0 or t.numel() == 0 for t in tensors):
         raise UsageError(f"--sample {path} is empty: its inputs have shapes "
                          f"{[tuple(t.shape) for t in tensors]}, with no items to check")
@@ -140,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from gradaccum.torch.check.checker import check_equivalence
+    from gradaccum.torch.check.spawn import RankError
 
     check_device(args.device)
     try:
@@ -157,7 +163,12 @@ def _run(args: argparse.Namespace) -> int:
             factory, sample, args.steps, micro_batch=args.micro_batch, targets=targets,
             loss=args.loss, dtype=getattr(torch, args.dtype), atol=args.atol, rtol=args.rtol,
             seed=args.seed, device=args.device, label=args.model, vocab=args.vocab,
+            world_size=args.world_size,
         )
+    except RankError as err:
+        if err.error == "timeout":
+            raise CommandError(one_line(err)) from err
+        raise ModelError(f"the model raised on {one_line(err)}") from err
     except Exception as err:
         if model_raised(err, _defining_file(factory)):
             raise ModelError(f"the model raised {type(err).__name__}: {one_line(err)}") from err
@@ -182,18 +193,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                          "token ids with --vocab)")
     p.add_argument("--vocab", type=positive_int,
                    help="with --input-shape: draw int64 token ids in [0, VOCAB) (a token model)")
-    p.add_argument("--sample", help="a torch.save'd batch: a tensor, a tuple of tensors, or "
-                                    "{'inputs': ..., 'targets': ...} (token ids and labels for a "
-                                    "language model)")
+    p.add_argument("--sample", help="a torch.save'd batch: a tensor, a tuple of tensors, a dict "
+                                    "of keyword arguments (model(**sample), its 'labels' the "
+                                    "targets), or {'inputs': ..., 'targets': ...} (token ids and "
+                                    "labels for a language model)")
     p.add_argument("--steps", type=positive_int, default=4,
                    help="micro-batches per window, N (default 4)")
     p.add_argument("--micro-batch", type=positive_int, default=8,
-                   help="samples per micro-batch with --input-shape (default 8)")
+                   help="samples per micro-batch (per rank) with --input-shape (default 8)")
     p.add_argument("--loss", choices=LOSSES, default="mse",
-                   help="mse, cross-entropy (classes on dimension 1) or token-cross-entropy (a "
+                   help="mse, cross-entropy (classes on dimension 1), token-cross-entropy (a "
                         "language model's [..., vocab] logits against token ids, -100 ignored, "
-                        "item-weighted); targets are random unless --sample holds them "
+                        "item-weighted) or causal-lm (a causal LM's own output.loss, or its logits "
+                        "against the labels shifted by one, item-weighted by count_tokens(labels, "
+                        "shift=True)); targets are random unless --sample holds them "
                         "(default mse)")
+    p.add_argument("--world-size", type=positive_int, default=1,
+                   help="run the micro-batches on this many DDP-wrapped gloo processes on the CPU "
+                        "(each its share of the batch) against one process on the full batch; "
+                        "the batch must split into world-size x steps micro-batches (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="float64",
                    help="run in this dtype (default float64: differences stand far above rounding)")
     p.add_argument("--atol", type=finite_float,

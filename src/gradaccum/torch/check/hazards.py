@@ -18,7 +18,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from gradaccum.torch.check.tracing import ModuleTrace
 
-__all__ = ["Hazard", "find_hazards"]
+__all__ = ["Hazard", "empty_micro_batches", "find_hazards", "for_ranks", "unused_on_ranks"]
 
 Close = Callable[[torch.Tensor, torch.Tensor], bool]
 
@@ -30,6 +30,16 @@ RANDOM_FIX = ("none exact: the micro-batches draw other random numbers than the 
 BUFFER_FIX = ("none built in: update the buffer once per window (from "
               "Accumulator.register_boundary_hook), or compound its momentum as "
               "docs/BATCHNORM.md does for BatchNorm")
+BATCHNORM_RANKS_FIX = ("SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm; CUDA only) for "
+                       "statistics over every rank's micro-batch in the forward, and window BatchNorm "
+                       "with sync=True for running statistics pooled over the ranks and the window; "
+                       "GroupNorm conversion removes both: see docs/BATCHNORM.md")
+UNUSED_FIX = ("DistributedDataParallel(model, find_unused_parameters=True) (ddp_kwargs= in "
+              "check_equivalence), or freeze (requires_grad=False) or remove the parameters the "
+              "loss does not use")
+NO_ITEMS_FIX = ("pass the summed loss with reduction='sum' (acc.backward(loss_sum, n_items, "
+                "reduction='sum') takes n_items=0), or give every micro-batch of every rank items "
+                "(shuffle, or a sampler that spreads them)")
 MIXING_FIX = ("none in gradaccum: make the module per-sample (for a normalization, GroupNorm or "
               "LayerNorm), or feed it the whole batch")
 
@@ -125,3 +135,47 @@ def _diagnose(module: nn.Module, drew_random: bool, buffers: list[str]) -> tuple
                 "window instead of one", BUFFER_FIX)
     return ("its output for a sample depends on the other samples of its batch (batch "
             "statistics, in-batch pairs, ...)", MIXING_FIX)
+
+
+def empty_micro_batches(counts: Sequence[float], steps: int, world_size: int) -> list[Hazard]:
+    """The micro-batches whose item count is 0 (micro-batch ``i`` of the W*N is rank ``i // N``'s)."""
+    hazards = []
+    for i, n in enumerate(counts):
+        if n == 0:
+            where = f"rank {i // steps}, micro-batch {i % steps}" if world_size > 1 else f"micro-batch {i}"
+            hazards.append(Hazard(f"({where})", "no items", "its loss returned n_items=0: a mean over "
+                                  "no items is 0/0, and acc.backward refuses it", NO_ITEMS_FIX))
+    return hazards
+
+
+def for_ranks(hazards: list[Hazard], model: nn.Module) -> list[Hazard]:
+    """The hazards as they read across ranks: a BatchNorm's statistics are also per rank."""
+    modules = dict(model.named_modules())
+    out = []
+    for h in hazards:
+        if isinstance(modules.get("" if h.module == "(model)" else h.module), _BatchNorm):
+            h = Hazard(h.module, h.kind, h.problem + "; across ranks each rank normalizes with its own "
+                       "micro-batch's statistics, and DDP broadcasts rank 0's buffers at every forward",
+                       BATCHNORM_RANKS_FIX)
+        out.append(h)
+    return out
+
+
+def unused_on_ranks(model: nn.Module, got_grad: Sequence[set[str]]) -> list[Hazard]:
+    """The modules whose parameters received no gradient on some rank (DDP's reducer then waits
+    for them: the bucket holding them is never all-reduced)."""
+    hazards = []
+    for name, module in model.named_modules():
+        own = [(p_name, f"{name}.{p_name}" if name else p_name)
+               for p_name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        missing = [p_name for p_name, full in own if any(full not in got for got in got_grad)]
+        if missing:
+            ranks = [str(r) for r, got in enumerate(got_grad)
+                     if any(full not in got for _, full in own)]
+            hazards.append(Hazard(name or "(model)", type(module).__name__,
+                                  f"its parameter(s) {', '.join(missing)} received no gradient on rank"
+                                  f"{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: DDP waits "
+                                  "for them, so the gradient bucket "
+                                  "holding them is never all-reduced and each rank keeps its own "
+                                  "gradients for that bucket's parameters", UNUSED_FIX))
+    return hazards

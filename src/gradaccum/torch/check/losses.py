@@ -15,11 +15,11 @@ from torch import nn
 
 from gradaccum.torch.tokens import count_tokens
 
-__all__ = ["LOSSES", "LossFn", "first_tensor", "item_count", "named_loss", "random_targets",
-           "split_loss", "token_cross_entropy"]
+__all__ = ["LOSSES", "LossFn", "causal_lm_loss", "first_tensor", "item_count", "named_loss",
+           "random_targets", "split_loss", "token_cross_entropy"]
 
 LossFn = Callable[[Any, torch.Tensor], Any]
-LOSSES = ("mse", "cross-entropy", "token-cross-entropy")
+LOSSES = ("mse", "cross-entropy", "token-cross-entropy", "causal-lm")
 
 
 def token_cross_entropy(output: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +45,31 @@ def token_cross_entropy(output: Any, targets: torch.Tensor) -> tuple[torch.Tenso
     return loss, count_tokens(targets)
 
 
+def causal_lm_loss(output: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal LM's own loss over shifted labels, and its count: ``count_tokens(labels, shift=True)``.
+
+    Args:
+        output: a Hugging Face model's output with ``.loss`` (the model computed it from the
+            ``labels`` it was given, shifting them itself), or logits ``[..., seq, vocab]``:
+            position ``t`` predicts label ``t + 1``.
+        targets: the unshifted labels ``[..., seq]``, -100 at padding.
+
+    Returns:
+        ``(mean over the shifted labels that are not -100, their number)``.
+
+    Example:
+        >>> loss, n = causal_lm_loss(torch.zeros(1, 3, 5), torch.tensor([[1, 2, -100]]))
+        >>> round(float(loss), 4), int(n)
+        (1.6094, 1)
+    """
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        logits = first_tensor(output)[..., :-1, :]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets[..., 1:].reshape(-1))
+    return loss, count_tokens(targets, shift=True)
+
+
 def named_loss(loss: str | LossFn) -> LossFn:
     """The loss function for ``loss``: one of :data:`LOSSES`, or the callable itself.
 
@@ -59,6 +84,8 @@ def named_loss(loss: str | LossFn) -> LossFn:
         return lambda out, t: nn.functional.cross_entropy(first_tensor(out), t)
     if loss == "token-cross-entropy":
         return token_cross_entropy
+    if loss == "causal-lm":
+        return causal_lm_loss
     raise ValueError(f"loss must be one of {', '.join(map(repr, LOSSES))} or a callable, got {loss!r}")
 
 
@@ -112,9 +139,9 @@ def random_targets(out: torch.Tensor, loss: str | LossFn, seed: int) -> torch.Te
             raise ValueError(f"loss='cross-entropy' needs (batch, classes, ...) outputs, got shape "
                              f"{tuple(out.shape)}")
         return torch.randint(0, out.shape[1], (out.shape[0], *out.shape[2:]), generator=gen)
-    if loss == "token-cross-entropy":  # token ids over the last (vocabulary) dimension
+    if loss in ("token-cross-entropy", "causal-lm"):  # token ids over the last (vocabulary) dimension
         if out.dim() < 2:
-            raise ValueError(f"loss='token-cross-entropy' needs (batch, ..., vocab) outputs, got "
+            raise ValueError(f"loss={loss!r} needs (batch, ..., vocab) outputs, got "
                              f"shape {tuple(out.shape)}")
         return torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=gen)
     return torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)

@@ -47,9 +47,13 @@ class CheckReport:
             module breaks equivalence (a dropout layer's masks may line up by chance).
         diffs: one :class:`TensorDiff` per parameter and buffer, in model order.
         hazards: the modules that break equivalence, with the gradaccum fix for each.
-        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss; ``n_items``
-            and ``micro_n_items``: the item counts the loss returned for the full batch and for
-            each micro-batch, None when it returned a bare mean loss).
+        settings: what was run (model label, batch, steps, dtype, atol, rtol, loss;
+            ``loss_dtype``, and ``judged_dtype``: the dtype whose tolerance applies, the least
+            precise of the model's and the loss's; ``world_size`` and ``rank_spread``: the largest
+            difference between ranks; ``n_items`` and ``micro_n_items``: the item counts the loss
+            returned for the full batch and for each micro-batch (rank 0's first), None when it
+            returned a bare mean loss; ``count_hint``: which count the loss values fit, when
+            ``n_items`` did not).
     """
 
     equivalent: bool
@@ -69,12 +73,15 @@ def format_report(report: CheckReport) -> str:
         the verdict, and each module that breaks equivalence with its gradaccum fix.
     """
     s = report.settings
+    world = s.get("world_size", 1)
+    micro = f"{s['steps']} micro-batch{'es' if s['steps'] != 1 else ''} of {s['micro_batch']}"
+    against = micro if world == 1 else f"{world} DDP ranks (gloo processes) of {micro} each"
     head = (f"gradaccum check: {s['model']} ({s['dtype']}, {s['device']}), one SGD step (lr 1) on a "
-            f"batch of {s['batch']} against {s['steps']} micro-batches of {s['micro_batch']}, from "
-            f"the same weights and RNG state (loss: {s['loss']}). A tensor agrees when "
-            f"max|diff| <= atol + rtol * scale, atol={s['atol']:g}, rtol={s['rtol']:g}; scale: the "
-            "parameter's largest full-batch update, the buffer's largest value.")
-    lines = [*textwrap.wrap(head + _weighting(s), WIDTH), "", *_table(report)]
+            f"batch of {s['batch']} against {against}, from the same weights and RNG state (loss: "
+            f"{s['loss']}). A tensor agrees when max|diff| <= atol + rtol * scale, atol={s['atol']:g}, "
+            f"rtol={s['rtol']:g}; scale: the parameter's largest full-batch update, the buffer's "
+            "largest value.")
+    lines = [*textwrap.wrap(head + _precision(s) + _weighting(s), WIDTH), "", *_table(report)]
     worst = max((d.rel for d in report.diffs), default=0.0)
     bad = sum(not d.ok for d in report.diffs)
     if report.equivalent:
@@ -92,6 +99,9 @@ def format_report(report: CheckReport) -> str:
     if skipped:
         lines += textwrap.wrap(f"Note: no gradient reached {', '.join(skipped)}: the check says "
                                "nothing about them.", WIDTH)
+    if world > 1 and not report.equivalent:
+        lines += textwrap.wrap(f"The ranks ended {_num(s['rank_spread'])} apart (largest difference "
+                               "of any tensor from rank 0's).", WIDTH)
     lines += textwrap.wrap(_count_mismatch(s), WIDTH)
     if report.hazards:
         lines += ["", "Modules that break equivalence:"]
@@ -105,6 +115,15 @@ def format_report(report: CheckReport) -> str:
         lines += ["", *textwrap.wrap("No module was named: the difference comes from the loss or from "
                                      "an operation outside any module. " + _loss_hint(s), WIDTH)]
     return "\n".join(lines)
+
+
+def _precision(s: dict[str, Any]) -> str:
+    """A note when the loss is less precise than the model: the tolerance follows the loss."""
+    judged = s.get("judged_dtype", s["dtype"])
+    if judged == s["dtype"]:
+        return ""
+    return (f" The loss is {s['loss_dtype']} while the model is {s['dtype']}: its gradients carry "
+            f"{judged}'s rounding, so the tolerance is {judged}'s.")
 
 
 def _weighting(s: dict[str, Any]) -> str:
@@ -128,8 +147,7 @@ def _loss_hint(s: dict[str, Any]) -> str:
     if s.get("n_items") is None:
         return ("A mean over a number of items (tokens) that varies between micro-batches does this: "
                 "let the loss return (loss, n_items).")
-    return ("Does n_items count exactly the items the loss averages over? A causal LM's loss drops "
-            "each sequence's first label: count_tokens(labels, shift=True).")
+    return str(s.get("count_hint") or "Does n_items count exactly the items the loss averages over?")
 
 
 def _count(x: float) -> str:

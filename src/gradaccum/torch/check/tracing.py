@@ -82,16 +82,19 @@ def trace_modules(model: nn.Module, batch: int, device: torch.device) -> Iterato
     pending: dict[str, list[tuple[list[torch.Tensor], torch.Tensor]]] = {}
     handles = []
     for name, module in model.named_modules():
-        def pre(_m: nn.Module, args: Any, _name: str = name) -> None:
-            pending.setdefault(_name, []).append((batch_tensors(args, batch), _rng_state(device)))
+        def pre(_m: nn.Module, args: Any, kwargs: Any, _name: str = name) -> None:
+            # Keyword arguments count as inputs too (a Hugging Face model gets nothing else).
+            inputs = batch_tensors([*args, *kwargs.values()], batch)
+            pending.setdefault(_name, []).append((inputs, _rng_state(device)))
 
-        def post(_m: nn.Module, _args: Any, output: Any, _name: str = name) -> None:
+        def post(_m: nn.Module, _args: Any, _kwargs: Any, output: Any, _name: str = name) -> None:
             inputs, rng = pending[_name].pop()
             drew = not torch.equal(rng, _rng_state(device))
             trace.calls.setdefault(_name, []).append(
                 ModuleCall(inputs, batch_tensors(output, batch), drew))
 
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        handles += [module.register_forward_pre_hook(pre, with_kwargs=True),
+                    module.register_forward_hook(post, with_kwargs=True)]
     try:
         yield trace
     finally:
