@@ -55,3 +55,14 @@ def padded_text(sequences: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     labels = ids.masked_fill(mask == 0, -100)
     return [{"input_ids": i, "attention_mask": m, "labels": la}
             for i, m, la in zip(ids, mask, labels, strict=True)]
+
+
+def causal_lm_loss_float64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                           **kwargs):
+    """transformers' ForCausalLMLoss without its float32 upcast (the run stays in float64): the
+    mean over the shifted labels, or their sum over ``num_items_in_batch`` (the Trainer's)."""
+    labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), labels.reshape(-1),
+                                             ignore_index=ignore_index,
+                                             reduction="mean" if num_items_in_batch is None else "sum")
+    return loss if num_items_in_batch is None else loss / num_items_in_batch

@@ -16,7 +16,15 @@ import re
 import pytest
 import torch
 
-from tests.integrations.common import DOC, max_diff, padded_text, recipe, run, tiny_gpt2
+from tests.integrations.common import (
+    DOC,
+    causal_lm_loss_float64,
+    max_diff,
+    padded_text,
+    recipe,
+    run,
+    tiny_gpt2,
+)
 
 accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -32,14 +40,6 @@ def fresh_accelerate() -> None:
     """Forget the previous Accelerator (its state is process-wide), as a new process would."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def causal_lm_loss_float64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                           **kwargs):
-    """transformers' ForCausalLMLoss without its float32 upcast: the whole run stays in float64."""
-    labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), labels.reshape(-1),
-                                             ignore_index=ignore_index)
 
 
 def gpt2(float64_loss: bool = True) -> torch.nn.Module:
