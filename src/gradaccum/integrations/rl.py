@@ -72,12 +72,13 @@ def policy_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str
             positive ``max_completion_length``.
 
     Example:
-        >>> per_token = torch.tensor([[1.0, 3.0], [2.0, 0.0]], requires_grad=True)
+        >>> per_token = torch.tensor([[1.0, 3.0], [2.0, 0.0]])  # your per-token loss
         >>> mask = torch.tensor([[1, 1], [1, 0]])
-        >>> policy_loss(per_token, mask, "grpo")[1:], float(policy_loss(per_token, mask, "grpo").loss)
-        ((2, 'mean'), 2.0)
+        >>> loss, n_items, reduction = policy_loss(per_token, mask, "grpo")
+        >>> float(loss), n_items, reduction  # the mean of the sequence means (2 and 2)
+        (2.0, 2, 'mean')
         >>> loss, n_items, reduction = policy_loss(per_token, mask, "dapo")
-        >>> float(loss), int(n_items), reduction
+        >>> float(loss), int(n_items), reduction  # the token sum, over 3 tokens
         (6.0, 3, 'sum')
     """
     if loss_type not in LOSS_TYPES:
