@@ -193,3 +193,51 @@ def test_two_processes_match_one_process_on_the_full_batch(tmp_path):
     for rank in ranks:
         assert max(float((p - q).abs().max())
                    for p, q in zip(rank["params"], reference, strict=True)) < 1e-12
+
+
+def test_by_hand_without_the_adapter_matches_the_full_batch():
+    # The page's "Without the adapter" line, on whole windows (no flush needed: 32 = 2 x 16).
+    base = gpt2()
+    full = run("run-clm-original", namespace(base, 16, 1, 32))
+    by_hand = run("run-clm", namespace(base, 4, 4, 32), (
+        "gradaccum.integrations.accelerate.Accumulator(accelerator, optimizer, model=model, "
+        "scheduler=lr_scheduler)",
+        "gradaccum.Accumulator(optimizer.optimizer, gradient_accumulation_steps, model=model, "
+        "scheduler=lr_scheduler, scaler=accelerator.scaler)"))
+    assert max_diff(full["model"], base) > 1e-3
+    assert max_diff(by_hand["model"], full["model"]) < 1e-12
+
+
+def test_the_adapter_refuses_a_scaler_of_its_own_and_deepspeed():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    import gradaccum.integrations.accelerate as adapter
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = accelerate.Accelerator()
+    with pytest.raises(TypeError, match="scaler is the accelerator's"):
+        adapter.Accumulator(accelerator, opt, model=model, scaler=torch.amp.GradScaler("cpu"))
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ValueError, match="DEEPSPEED"):
+        adapter.Accumulator(deepspeed, opt, model=model)
+    assert accelerator._custom_objects == []  # nothing registered by a refused call
+
+
+def test_sync_gradients_follows_the_windows_and_the_end_of_the_dataloader():
+    import gradaccum.integrations.accelerate as adapter
+
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=4)
+    model = torch.nn.Linear(2, 1)
+    model, opt, loader = accelerator.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.utils.data.DataLoader(torch.randn(6, 2), batch_size=1))
+    acc = adapter.Accumulator(accelerator, opt, model=model)
+    flags, stepped = [], []
+    for x in loader:
+        stepped.append(acc.backward(model(x).pow(2).mean()))
+        flags.append(accelerator.sync_gradients)
+    assert flags == stepped == [False, False, False, True, False, True]  # 4, then the last 2
+    assert acc.optimizer_steps == 2 and acc.micro_step == 0
