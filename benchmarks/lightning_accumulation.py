@@ -117,7 +117,8 @@ def lightning_run(arm: str, batches: Sequence[Batch], epochs: int) -> list[list[
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accumulate_grad_batches=STEPS if plain else 1, callbacks=[snapshots])
-    trainer.fit(PlainLM() if plain else GradaccumLM(), train_dataloaders=DataLoader(list(batches), batch_size=None))
+    loader = DataLoader(list(batches), batch_size=None)
+    trainer.fit(PlainLM() if plain else GradaccumLM(), train_dataloaders=loader)
     return snapshots.epochs
 
 

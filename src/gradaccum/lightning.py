@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.torch.accumulator import Accumulator
@@ -285,9 +286,11 @@ def _schedulers(trainer: Any) -> tuple[Any, list[Any]]:
         ValueError: more than one per-step scheduler, a ``frequency`` other than 1, or a scheduler
             that needs a metric (ReduceLROnPlateau: step it yourself).
     """
-    per_step, per_epoch = [], []
+    per_step: list[Any] = []
+    per_epoch: list[Any] = []
     for config in trainer.lr_scheduler_configs:
-        if config.frequency != 1 or config.reduce_on_plateau:
+        plateau = config.reduce_on_plateau or isinstance(config.scheduler, ReduceLROnPlateau)
+        if config.frequency != 1 or plateau:
             raise ValueError(f"lr_scheduler {type(config.scheduler).__name__} (frequency="
                              f"{config.frequency}, monitor={config.monitor!r}) is not stepped by "
                              "AccumulatorMixin: leave it out of configure_optimizers and step it "

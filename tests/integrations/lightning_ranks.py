@@ -32,7 +32,8 @@ def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects
 
 class Probe(pl.Callback):
     """Counts DDP's gradient all-reduces (a comm hook: Lightning registers ``ddp_comm_hook`` on
-    CUDA only), records the gradient after the first micro-batch (off-boundary) and saves a mid-window checkpoint."""
+    CUDA only), records the gradient after the first micro-batch (off-boundary) and saves a
+    mid-window checkpoint."""
 
     def __init__(self, save: Path | None = None) -> None:
         self.off_boundary: list[torch.Tensor] = []
@@ -72,7 +73,7 @@ def fit(rank: int, world: int, sync: str = "window", probe: Probe | None = None,
 def global_windows(world: int) -> list[list[Any]]:
     batches = micro_batches(PER_RANK * world)
     shares = [batches[r * PER_RANK:(r + 1) * PER_RANK] for r in range(world)]
-    epoch = [sum((s[i:i + STEPS] for s in shares), []) for i in range(0, PER_RANK, STEPS)]
+    epoch = [[b for s in shares for b in s[i:i + STEPS]] for i in range(0, PER_RANK, STEPS)]
     return epoch * EPOCHS
 
 
