@@ -210,7 +210,7 @@ class AccumulatorMixin:
         if self._gradaccum_saved is not None:
             acc.load_state_dict(self._gradaccum_saved)
             self._gradaccum_saved = None
-        acc.register_boundary_hook(lambda _: _count_step(lightning_opt))
+        acc.register_boundary_hook(lambda _: _count_step(self.trainer))
         self._gradaccum = acc
 
     def on_train_epoch_end(self) -> None:
@@ -301,11 +301,16 @@ def _schedulers(trainer: Any) -> tuple[Any, list[Any]]:
     return (per_step[0] if per_step else None), per_epoch
 
 
-def _count_step(lightning_optimizer: Any) -> None:
-    """Count one optimizer step in ``trainer.global_step``, as ``LightningOptimizer.step`` does
-    around the step it makes (the accumulator stepped the raw optimizer itself)."""
-    lightning_optimizer._on_before_step()
-    lightning_optimizer._on_after_step()
+def _count_step(trainer: Any) -> None:
+    """Count one optimizer step in ``trainer.global_step`` (the accumulator stepped the raw
+    optimizer itself), as ``LightningOptimizer.step`` counts it under manual optimization.
+
+    Through the loop's progress record, not the optimizer's hooks: Lightning binds those only
+    while ``training_step`` runs, and a window may be flushed at the epoch's end.
+    """
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    progress.increment_ready()
+    progress.increment_completed()
 
 
 def _to_cpu(state: Any) -> Any:

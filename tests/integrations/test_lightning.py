@@ -69,6 +69,20 @@ def test_one_device_matches_the_full_batch_and_counts_windows_in_global_step():
     assert not model.automatic_optimization
 
 
+class SkipsLastBatch(TinyLM):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == PER_EPOCH - 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_window_left_open_at_the_epoch_end_is_flushed_and_counted_there():
+    model = SkipsLastBatch(steps=STEPS)
+    run = fit(model)  # the last batch feeds nothing: windows 4 + 4 + 1, the 1 flushed at the epoch end
+    assert run.global_step == 6
+    batches = micro_batches(PER_EPOCH)
+    expected = reference([batches[:4], batches[4:8], batches[8:9]] * EPOCHS)
+    assert largest_difference(model.net, expected) < 1e-12
+
+
 def test_a_window_that_spans_the_epoch_end_is_not_what_the_mixin_does():
     """Negative twin of the flush: without it the two epochs' windows would run 4, 4, 4, 4, 4."""
     assert largest_difference(reference(epoch_windows()),
