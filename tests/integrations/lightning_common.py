@@ -80,7 +80,7 @@ def trainer(**kwargs: Any) -> pl.Trainer:
 
 
 def reference(windows: Sequence[Sequence[Batch]], scheduler: str | None = None,
-              windows_per_epoch: int | None = None) -> torch.nn.Module:
+              windows_per_epoch: int | None = None, clip_norm: float | None = None) -> torch.nn.Module:
     """The full batch: one AdamW step per window over every token of its micro-batches."""
     model = tiny_lm()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -88,6 +88,8 @@ def reference(windows: Sequence[Sequence[Batch]], scheduler: str | None = None,
     for i, window in enumerate(windows):
         opt.zero_grad(set_to_none=True)
         lm_loss(model, torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window])).backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
         epoch_end = windows_per_epoch is not None and (i + 1) % windows_per_epoch == 0
         if sched is not None and (scheduler == "step" or epoch_end):

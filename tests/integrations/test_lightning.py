@@ -153,6 +153,40 @@ def test_the_16_mixed_plugin_scaler_drives_the_accumulator():
     assert largest_difference(model.net, reference(epoch_windows())) < 1e-12
 
 
+def test_clip_norm_clips_the_window_gradient():
+    model = TinyLM(steps=STEPS, clip_norm=0.05)
+    fit(model)
+    assert largest_difference(model.net, reference(epoch_windows(), clip_norm=0.05)) < 1e-12
+    assert largest_difference(model.net, reference(epoch_windows())) > 1e-4  # the clip bit
+
+
+class Float32LM(TinyLM):
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.net = self.net.float()
+
+
+def test_16_mixed_on_a_float32_model_runs_in_fp16_and_stays_near_the_full_batch():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    model = Float32LM(steps=STEPS)
+    fit(model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert model.accumulator.skipped_windows == 0 and scaler.get_scale() == 2.0 ** 16
+    gap = largest_difference(model.net, reference(epoch_windows()))
+    assert 1e-7 < gap < 1e-3  # fp16 matmuls (so autocast did run them), within fp16's precision
+
+
+def test_an_overflowing_window_is_skipped_whole_and_still_counted_as_a_step():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    model = Float32LM(steps=STEPS)
+    before = [p.detach().clone() for p in model.parameters()]
+    run = fit(model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    acc = model.accumulator
+    assert acc.skipped_windows == 6 and acc.optimizer_steps == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert run.global_step == 6  # as Lightning counts a step its GradScaler skipped
+    assert scaler.get_scale() == 2.0 ** 54  # backed off once per window
+
+
 class TwoOptimizers(TinyLM):
     def configure_optimizers(self) -> Any:
         return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
