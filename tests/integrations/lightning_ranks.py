@@ -105,10 +105,22 @@ def unrouted(rank: int, world: int) -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in model.parameters()], "syncs": len(SYNCS)}
 
 
+def one_process_state(rank: int, world: int) -> dict[str, Any]:
+    """A single process's mid-window state cannot be resumed by 2 ranks; a boundary state can."""
+    from gradaccum.lightning._checkpoint import this_rank
+
+    boundary = {"window": {"micro_step": 0}}
+    try:
+        this_rank({"window": {"micro_step": 2}})
+    except ValueError as error:
+        return {"error_message": str(error), "boundary": this_rank(boundary) is boundary}
+    return {"error_message": None}
+
+
 if __name__ == "__main__":
     import sys
 
     OUT = Path(sys.argv[1])
     torch.set_num_threads(1)
     run_scenarios({"exact": exact, "resume": resume, "per_micro_batch": per_micro_batch,
-                   "unrouted": unrouted})
+                   "unrouted": unrouted, "one_process_state": one_process_state})

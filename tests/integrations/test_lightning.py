@@ -241,6 +241,19 @@ def test_ddp_resumes_a_mid_window_checkpoint_bitwise_on_every_rank(ddp):
         assert b["global_step"] == 6
 
 
+def test_ddp_refuses_to_resume_one_processs_partial_window(ddp):
+    for rank in scenario(ddp, "one_process_state"):
+        assert "one process's partial window; 2 ranks cannot resume it" in rank["error_message"]
+        assert rank["boundary"]
+
+
+def test_a_checkpoint_of_2_ranks_is_refused_on_one_device():
+    from gradaccum.lightning._checkpoint import this_rank
+
+    with pytest.raises(ValueError, match="states of 2 ranks; resume on as many, not 1"):
+        this_rank({"ranks": [{}, {}]})
+
+
 def test_ddp_without_manual_backward_is_silently_wrong(ddp):
     """The workaround the mixin replaces: ``accumulator.backward`` called directly never syncs."""
     ranks = scenario(ddp, "unrouted")

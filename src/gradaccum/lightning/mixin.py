@@ -1,27 +1,4 @@
-"""gradaccum inside a Lightning module: :class:`AccumulatorMixin` (docs/LIGHTNING.md).
-
-Lightning's own ``accumulate_grad_batches`` divides every loss by N (the short last window too)
-and weights micro-batches, not tokens. The mixin turns a LightningModule into one that feeds
-each micro-batch to a :class:`gradaccum.Accumulator` and steps once per window, exactly:
-
-* **DDP** (``strategy="ddp"``): every backward goes through ``manual_backward`` (so Lightning's
-  strategy arms DDP's reducer and runs the precision plugin's and callbacks' backward hooks);
-  off-boundary micro-batches run under ``strategy.block_backward_sync()``: one gradient
-  all-reduce per window.
-* **Precision plugins**: the accumulator gets the plugin's ``GradScaler`` (``"16-mixed"``) and
-  steps the raw optimizer itself, so the plugin never unscales or steps a second time.
-* **Schedulers** from ``configure_optimizers``: unwrapped and stepped per window
-  (``interval="step"``) or per epoch (``"epoch"``).
-* **Validation** in the middle of a window keeps the partial window (Lightning's default
-  ``on_validation_model_zero_grad`` would clear it).
-* **Checkpoints** hold the accumulator's state (every rank's under DDP): a mid-window resume is
-  bitwise.
-* **global_step** counts windows (one per optimizer step, a flushed last window included).
-
-Lightning is not imported here: the mixin uses only the objects the trainer hands it, so it
-works with ``pytorch_lightning`` and ``lightning.pytorch`` alike, and ``import gradaccum`` never
-loads either.
-"""
+"""The mixin: a LightningModule whose micro-batches feed one :class:`gradaccum.Accumulator`."""
 
 from __future__ import annotations
 
@@ -31,17 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
+from gradaccum.lightning._checkpoint import CHECKPOINT_KEY, pack, this_rank
+from gradaccum.lightning._trainer import count_step, ddp_model, plugin_scaler, split_schedulers
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.distributed.base import SyncMode, check_sync_mode
 
-__all__ = ["CHECKPOINT_KEY", "AccumulatorMixin"]
-
-CHECKPOINT_KEY = "gradaccum"  # the accumulator's entry in a Lightning checkpoint
+__all__ = ["AccumulatorMixin"]
 
 
 @dataclass
@@ -201,16 +176,17 @@ class AccumulatorMixin:
         if isinstance(lightning_opt, list):
             raise ValueError(f"AccumulatorMixin needs exactly one optimizer from configure_optimizers, "
                              f"got {len(lightning_opt)}")
-        step_scheduler, self._gradaccum_epoch_schedulers = _schedulers(self.trainer)
-        opts = self._gradaccum_options
-        acc = Accumulator(lightning_opt.optimizer, opts["steps"], model=_model(self.trainer.strategy),
-                          clip_norm=opts["clip_norm"], scheduler=step_scheduler,
-                          scaler=_scaler(self.trainer.precision_plugin), accum_dtype=opts["accum_dtype"],
-                          skip_nonfinite=opts["skip_nonfinite"], sync=opts["sync"])
+        trainer = self.trainer
+        step_scheduler, self._gradaccum_epoch_schedulers = split_schedulers(trainer)
+        # The raw optimizer, stepped by the accumulator: Lightning's wrapper would run the
+        # precision plugin's unscale and step a second time.
+        acc = Accumulator(lightning_opt.optimizer, model=ddp_model(trainer.strategy),
+                          scheduler=step_scheduler, scaler=plugin_scaler(trainer.precision_plugin),
+                          **self._gradaccum_options)
         if self._gradaccum_saved is not None:
             acc.load_state_dict(self._gradaccum_saved)
             self._gradaccum_saved = None
-        acc.register_boundary_hook(lambda _: _count_step(self.trainer))
+        acc.register_boundary_hook(lambda _: count_step(self.trainer))
         self._gradaccum = acc
 
     def on_train_epoch_end(self) -> None:
@@ -230,95 +206,14 @@ class AccumulatorMixin:
         """Save the accumulator's state; under DDP every rank's (each holds its own partial window)."""
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
         state = self._gradaccum.state_dict() if self._gradaccum is not None else self._gradaccum_saved
-        if state is None:
-            return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, _to_cpu(state))
-            checkpoint[CHECKPOINT_KEY] = {"ranks": ranks}
-        else:
-            checkpoint[CHECKPOINT_KEY] = state
+        if state is not None:
+            checkpoint[CHECKPOINT_KEY] = pack(state)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Take this rank's accumulator state from the checkpoint (applied when training starts)."""
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if isinstance(state, dict) and "ranks" in state:
-            ranks = state["ranks"]
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            if len(ranks) != (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1):
-                raise ValueError(f"the checkpoint holds the accumulator states of {len(ranks)} ranks; "
-                                 "resume on as many")
-            state = ranks[rank]
+        state = this_rank(checkpoint.get(CHECKPOINT_KEY))
         self._gradaccum_saved = state
         if self._gradaccum is not None and state is not None:
             self._gradaccum.load_state_dict(state)
             self._gradaccum_saved = None
-
-
-def _model(strategy: Any) -> torch.nn.Module | None:
-    """The module the forward runs through: the DDP wrapper, or None on one device.
-
-    Raises:
-        ValueError: a strategy whose wrapper gradaccum cannot sync once per window (FSDP,
-            DeepSpeed, ...).
-    """
-    model = strategy.model
-    if isinstance(model, DistributedDataParallel):
-        return model
-    if model is strategy.lightning_module:
-        return None
-    raise ValueError(f"AccumulatorMixin supports one device and strategy='ddp' (or 'ddp_spawn'); "
-                     f"{type(strategy).__name__} wraps the model in {type(model).__name__}")
-
-
-def _scaler(plugin: Any) -> torch.amp.GradScaler | None:
-    """The precision plugin's ``GradScaler`` (``"16-mixed"``), which the accumulator then drives."""
-    scaler = getattr(plugin, "scaler", None)
-    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
-
-
-def _schedulers(trainer: Any) -> tuple[Any, list[Any]]:
-    """The raw schedulers of ``configure_optimizers``: the per-step one (for the accumulator, which
-    steps it once per optimizer step) and the per-epoch ones.
-
-    Raises:
-        ValueError: more than one per-step scheduler, a ``frequency`` other than 1, or a scheduler
-            that needs a metric (ReduceLROnPlateau: step it yourself).
-    """
-    per_step: list[Any] = []
-    per_epoch: list[Any] = []
-    for config in trainer.lr_scheduler_configs:
-        plateau = config.reduce_on_plateau or isinstance(config.scheduler, ReduceLROnPlateau)
-        if config.frequency != 1 or plateau:
-            raise ValueError(f"lr_scheduler {type(config.scheduler).__name__} (frequency="
-                             f"{config.frequency}, monitor={config.monitor!r}) is not stepped by "
-                             "AccumulatorMixin: leave it out of configure_optimizers and step it "
-                             "yourself when accumulate() returns True")
-        (per_step if config.interval == "step" else per_epoch).append(config.scheduler)
-    if len(per_step) > 1:
-        raise ValueError(f"AccumulatorMixin steps one per-step lr_scheduler, got {len(per_step)}")
-    return (per_step[0] if per_step else None), per_epoch
-
-
-def _count_step(trainer: Any) -> None:
-    """Count one optimizer step in ``trainer.global_step`` (the accumulator stepped the raw
-    optimizer itself), as ``LightningOptimizer.step`` counts it under manual optimization.
-
-    Through the loop's progress record, not the optimizer's hooks: Lightning binds those only
-    while ``training_step`` runs, and a window may be flushed at the epoch's end.
-    """
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-    progress.increment_ready()
-    progress.increment_completed()
-
-
-def _to_cpu(state: Any) -> Any:
-    """``state`` with every tensor on the CPU (for ``all_gather_object``)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(v) for v in state)
-    return state
