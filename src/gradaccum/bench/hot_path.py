@@ -33,7 +33,7 @@ LOOPS = ("hand mean", "gradaccum mean", "hand tokens", "gradaccum int", "gradacc
 IGNORE = -100
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Count the aten ops dispatched while active (``with OpCounter() as c: ...; c.count``).
 
     Example:
@@ -44,7 +44,7 @@ class OpCounter(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -93,9 +93,9 @@ def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[],
             total: Any = 0
             for x, _, labels in batches:
                 if mean:
-                    (ce(m(x), labels) / STEPS).backward()
+                    (ce(m(x), labels) / STEPS).backward()  # type: ignore[no-untyped-call]
                 else:
-                    ce(m(x), labels, reduction="sum").backward()
+                    ce(m(x), labels, reduction="sum").backward()  # type: ignore[no-untyped-call]
                     total += gradaccum.count_tokens(labels)
             if not mean:
                 for p in m.parameters():
@@ -134,4 +134,4 @@ def ops_per_micro_step(run: Callable[[], None], windows: int = 3) -> float:
     with OpCounter() as counter:
         for _ in range(windows):
             run()
-    return counter.count / (windows * STEPS)
+    return float(counter.count) / (windows * STEPS)
