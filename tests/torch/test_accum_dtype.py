@@ -245,16 +245,21 @@ def test_scaler_with_wide_buffers_unscales_once():
         torch.testing.assert_close(g.double(), expected, rtol=2**-7, atol=1e-6)
 
 
-def test_wide_buffers_refused_under_ddp(tmp_path, monkeypatch):
+def test_wide_buffers_under_ddp_accepted_and_under_fsdp2_pointed_to_its_policy(tmp_path, monkeypatch):
+    # DDP: the accumulator averages the float32 sums itself (tests/distributed/test_accum_dtype_ddp.py).
+    # FSDP2 accumulates in reduce_dtype already: the message names MixedPrecisionPolicy.
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         ddp = nn.parallel.DistributedDataParallel(mlp(torch.bfloat16))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        with pytest.raises(ValueError, match="DistributedDataParallel"):
-            gradaccum.Accumulator(opt, 2, model=ddp, accum_dtype=torch.float32)
-        gradaccum.Accumulator(opt, 2, model=ddp)  # the same model is fine without accum_dtype
+        gradaccum.Accumulator(torch.optim.SGD(ddp.parameters(), lr=0.1), 2, model=ddp,
+                              accum_dtype=torch.float32)
+        sharded = fully_shard(mlp(torch.bfloat16))
+        with pytest.raises(ValueError, match="MixedPrecisionPolicy"):
+            gradaccum.Accumulator(torch.optim.SGD(sharded.parameters(), lr=0.1), 2, model=sharded,
+                                  accum_dtype=torch.float32)
     finally:
         dist.destroy_process_group()

@@ -94,6 +94,21 @@ class AccumBuffers:
             if add_dst:
                 torch._foreach_add_(add_dst, add_src)
 
+    def filled(self) -> list[bool]:
+        """For each parameter, whether its buffer holds a gradient this window."""
+        return list(self._filled)
+
+    def all_buffers(self) -> list[torch.Tensor]:
+        """Every buffer (allocated on first use), filled or not."""
+        return self._allocate()
+
+    def fill_zero(self, i: int) -> torch.Tensor:
+        """Buffer ``i``, zeroed and counted for this window (another rank has its gradient)."""
+        buffer = self._allocate()[i]
+        buffer.zero_()
+        self._filled[i] = True
+        return buffer
+
     def grads(self) -> list[torch.Tensor]:
         """The buffers that hold a gradient this window (the wide window gradient)."""
         if self.buffers is None:

@@ -61,6 +61,8 @@ def step_window(window: Window, sync: GradSync, precision: Precision, clip_norm:
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
     if window.summed and not bool(window.items > 0 if items is None else items > 0):
         return Outcome(False, window.basis)
+    if precision.buffers is not None and sync.world_size > 1:
+        precision.average_over_ranks(sync)  # float32 sums, reduced once (DDP reduced nothing)
     grads = precision.window_grads()
     norm = scale_and_clip_(grads, window.grad_factor(float_total(window.items if items is None else items)),
                            clip_norm)

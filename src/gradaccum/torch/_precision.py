@@ -119,12 +119,13 @@ class Precision:
         buffers = None if accum_dtype is None else AccumBuffers(params, _check_accum_dtype(accum_dtype))
         if buffers:
             wrapper = _distributed_wrapper(model, params)
-            if wrapper is not None:
+            if wrapper is not None and wrapper != "DistributedDataParallel":
                 raise ValueError(
-                    f"accum_dtype={accum_dtype} is not supported under {wrapper}: it reduces each "
-                    "backward's .grad itself, so it would reduce one micro-batch's low-precision "
-                    "gradient, not the wide sum; keep float32 master parameters (autocast, or "
-                    "FSDP's MixedPrecisionPolicy) instead")
+                    f"accum_dtype={accum_dtype} is not supported under {wrapper}: FSDP already "
+                    "accumulates in wide precision; pass fully_shard(..., mp_policy="
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), "
+                    "whose unsharded gradients sum in float32 across no-sync micro-batches and are "
+                    "reduce-scattered in float32 (docs/PRECISION.md)")
         self.optimizer = optimizer
         self.scaler = scaler
         self._scaler = active_scaler(scaler)  # read once: the per-micro-step path stays a branch
@@ -147,6 +148,26 @@ class Precision:
         (loss if scaler is None else scaler.scale(loss)).backward(seed)  # type: ignore[no-untyped-call]
         if self.buffers is not None:
             self.buffers.collect()
+
+    def average_over_ranks(self, sync: Any) -> None:
+        """At the boundary, under DDP with wide buffers: average every gradient of the window (the
+        native ``.grad`` and the float32 sums) over the ranks, each in its own dtype, after one
+        agreement on which exist anywhere (a rank without one contributes zeros, as DDP does)."""
+        assert self.buffers is not None
+        native = [p for p in self._native if p.requires_grad]
+        wide = self.buffers.all_buffers()
+        flags = [p.grad is not None for p in native] + self.buffers.filled()
+        anyone = [bool(v) for v in sync.max_over_ranks([int(f) for f in flags])]
+        tensors = []
+        for p, used in zip(native, anyone, strict=False):
+            if used:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                tensors.append(p.grad)
+        for i, used in enumerate(anyone[len(native):]):
+            if used:
+                tensors.append(self.buffers.fill_zero(i) if not flags[len(native) + i] else wide[i])
+        sync.average_(tensors)
 
     def window_grads(self) -> list[torch.Tensor]:
         """At the boundary: the window's gradients, unscaled once, ready to normalize and clip."""

@@ -100,6 +100,11 @@ class Accumulator(WindowHooks):
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
         self._sync: GradSync = make_sync(model, sync)
+        if self._precision.buffers is not None and self._sync.world_size > 1:
+            if sync == "micro_batch":
+                raise ValueError("accum_dtype with sync='micro_batch' would reduce every micro-batch's "
+                                 "low-precision gradient: use sync='window'")
+            self._sync.reduces_at_boundary = True  # type: ignore[attr-defined]
         self.optimizer = optimizer
         self.model = model
         self.scheduler = scheduler

@@ -79,6 +79,9 @@ class GradSync(Protocol):
     def discard(self) -> None:
         """Drop partial-window gradients held outside ``.grad`` (the accumulator clears ``.grad``)."""
 
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` over the ranks in place, each in its own dtype."""
+
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over the ranks, in one all-reduce.
 
@@ -114,6 +117,9 @@ class LocalSync:
 
     def discard(self) -> None:
         """Nothing is held outside ``.grad``."""
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """One rank: nothing to average."""
 
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """One rank: the values themselves."""

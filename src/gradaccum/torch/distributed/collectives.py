@@ -88,6 +88,19 @@ class RankGroups:
             )
         return None if longest == 0 else anyone
 
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` over the ranks in place: flattened per dtype, one all-reduce each,
+        in the tensors' own dtype (float32 buffers are reduced in float32)."""
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.all_reduce(flat)
+            flat.div_(self.world_size)
+            for t, synced in zip(group, torch.split(flat, [t.numel() for t in group]), strict=True):
+                t.copy_(synced.view_as(t))
+
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over every data-parallel rank (one MAX
         all-reduce per process group)."""

@@ -28,11 +28,15 @@ class DDPSync(RankGroups):
         device = next(module.parameters()).device
         super().__init__([module.process_group], device, mode)
         self.module = module
+        # True with float32 accumulation buffers: DDP never reduces (it would reduce one
+        # micro-batch's low-precision .grad); the accumulator averages the wide sums itself.
+        self.reduces_at_boundary = False
         self.watch_forward(module)
 
     def prepare(self, sync_next: bool) -> None:
         """Set DDP's flag, read by its next forward (nanoGPT's ``require_backward_grad_sync``)."""
-        self.module.require_backward_grad_sync = sync_next or self.mode == "micro_batch"
+        self.module.require_backward_grad_sync = not self.reduces_at_boundary and (
+            sync_next or self.mode == "micro_batch")
 
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Average the flushed window's gradients over ranks, as DDP's own sync would.
@@ -43,19 +47,17 @@ class DDPSync(RankGroups):
         """
         if self.mode == "micro_batch":
             return  # every backward already synchronized
+        if self.reduces_at_boundary:
+            self.agree_on_length(micro_steps)  # the boundary averages every gradient
+            return
         trainable = [p for p in params if p.requires_grad]
         used = self.agree_on_length(micro_steps, [p.grad is not None for p in trainable])
         if used is None:
             return
-        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        grads = []
         for p, anyone in zip(trainable, used, strict=True):
             if anyone:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                grads.setdefault(p.grad.dtype, []).append(p.grad)
-        for group in grads.values():
-            flat = torch.cat([g.reshape(-1) for g in group])
-            self.all_reduce(flat)
-            flat.div_(self.world_size)
-            for g, synced in zip(group, torch.split(flat, [g.numel() for g in group]), strict=True):
-                g.copy_(synced.view_as(g))
+                grads.append(p.grad)
+        self.average_(grads)
