@@ -7,11 +7,14 @@ TorchDispatchMode (machine-independent: each op is a kernel launch on a GPU); ti
 of windows run interleaved round by round in one process (the order rotating), after warm-up.
 
     python benchmarks/hot_path.py [--model trivial|mlp] [--micro 8] [--rounds 300] [--threads 1]
+                                  [--json docs/results/hot_path.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also write the table and the machine here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = {name: ops_per_micro_step(run) for name, run in make_loops(args.model, args.micro).items()}
@@ -42,11 +46,18 @@ def main() -> None:
     print("\n| loop | aten ops / micro-step | vs its hand loop | us / micro-step (median) "
           "| vs its hand loop |")
     print("|---|---|---|---|---|")
+    rows = []
     for name in loops:
         base = "hand mean" if name in ("hand mean", "gradaccum mean") else "hand tokens"
         us = timings.median(name) * 1e6 / STEPS
+        rows.append({"loop": name, "ops_per_micro_step": ops[name], "ops_vs_hand": ops[name] - ops[base],
+                     "us_per_micro_step": round(us, 1), "time_vs_hand": round(timings.ratio(name, base), 3)})
         print(f"| {name} | {ops[name]:.2f} | {ops[name] - ops[base]:+.2f} | {us:.1f} | "
               f"{timings.ratio(name, base):.3f}x |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"source": "python benchmarks/hot_path.py " + " ".join(
+            f"--{k} {v}" for k, v in vars(args).items() if k != "json"), "machine": describe_machine(),
+            "setup": setup, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

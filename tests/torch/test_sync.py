@@ -14,11 +14,11 @@ def fresh(**kwargs):
 
 @pytest.mark.parametrize("bad", ["every", "Window", None, 1])
 def test_unknown_sync_mode_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match=r"sync must be 'window' or 'micro_batch', got"):
+    with pytest.raises(ValueError, match=r"sync must be 'window', 'micro_batch' or 'local', got"):
         fresh(sync=bad)
 
 
-@pytest.mark.parametrize("sync", ["window", "micro_batch"])
+@pytest.mark.parametrize("sync", ["window", "micro_batch", "local"])
 def test_sync_mode_changes_nothing_on_one_process(sync):
     model, acc = fresh(model=None, sync=sync)
     x, y = data(8)

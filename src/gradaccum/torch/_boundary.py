@@ -57,7 +57,7 @@ def step_window(window: Window, sync: GradSync, precision: Precision, clip_norm:
         loss = WindowLoss(((loss_sum, 1),), window.loss_denominator(items))
     else:
         loss = WindowLoss(window.losses, window.loss_denominator())
-    basis = window.next_basis(items) if precision.overflow_prone else None
+    basis = window.next_basis(items) if window.scale is not None or precision.overflow_prone else None
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
     if window.summed and not bool(window.items > 0 if items is None else items > 0):
         return Outcome(False, window.basis)

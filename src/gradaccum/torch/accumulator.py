@@ -270,8 +270,11 @@ class Accumulator(WindowHooks):
         the ranks agree once, on the run's first, in one small collective)."""
         if n is None:
             return None, None
-        term = wide_count(n) if isinstance(n, torch.Tensor) else n
-        if not self._precision.overflow_prone:
+        tensor = isinstance(n, torch.Tensor)
+        term = wide_count(n) if tensor else n
+        # A provisional total where it is needed (gradients that can overflow) or free (Python
+        # counts on one process: host arithmetic, and no pass for a window of equal counts).
+        if not (self._precision.overflow_prone or (not tensor and self._sync.world_size == 1)):
             return term, None
         count = window.first_count(n)
         if window.basis is None and self._sync.world_size > 1:
