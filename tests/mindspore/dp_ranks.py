@@ -153,7 +153,8 @@ def bn_net() -> nn.Cell:
 
 
 def batchnorm(rank: int, world: int) -> dict[str, Any]:
-    """Two windows of 2 micro-batches on a BatchNorm model, with and without average_batchnorm."""
+    """Two windows of 2 micro-batches on a BatchNorm model inside ``@ms.jit``, with and without
+    average_batchnorm."""
     x, y = data(WINDOWS * STEPS * GLOBAL_MICRO)
     local = GLOBAL_MICRO // world
     out: dict[str, Any] = {}
@@ -163,9 +164,14 @@ def batchnorm(rank: int, world: int) -> dict[str, Any]:
                           average_batchnorm=model if average else None)
         fn = grad_fn(model)
         model.set_train(True)
+
+        @ms.jit
+        def train_step(xb: Tensor, yb: Tensor, acc: Accumulator = acc, fn: Any = fn) -> Tensor:
+            return acc(fn(xb, yb)[1])
+
         for i in range(2 * STEPS):
             start = i * GLOBAL_MICRO + rank * local
-            acc(fn(x[start:start + local], y[start:start + local])[1])
+            train_step(x[start:start + local], y[start:start + local])
         out[name] = {"stats": [p.asnumpy().copy() for p in batchnorm_statistics(model)],
                      "params": params(model)}
     return out

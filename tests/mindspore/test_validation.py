@@ -126,7 +126,7 @@ def test_data_parallel_needs_init_and_a_bool():
 
 
 def test_average_batchnorm_needs_a_cell_with_batchnorm_statistics():
-    with pytest.raises(TypeError, match="average_batchnorm must be a mindspore.nn.Cell, got list"):
+    with pytest.raises(TypeError, match=r"average_batchnorm must be a mindspore\.nn\.Cell, got list"):
         Accumulator(sgd(), 2, average_batchnorm=[])
     with pytest.raises(ValueError, match="average_batchnorm=SequentialCell: the model has no BatchNorm"):
         Accumulator(sgd(), 2, average_batchnorm=net())
