@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
 from gradaccum.mindspore import Accumulator
-from tests.mindspore_reference import data, grad_fn, net, params
+from gradaccum.mindspore.data_parallel import batchnorm_statistics
+from tests.mindspore_reference import D_IN, D_OUT, HIDDEN, data, grad_fn, net, params
 
 # Shared with the test: windows of STEPS micro-batches; each global micro-batch of
 # GLOBAL_MICRO items is split between the ranks in consecutive blocks.
@@ -98,14 +100,14 @@ def item_window(rank: int, world: int) -> dict[str, Any]:
 
 
 def partial_flush(rank: int, world: int) -> dict[str, Any]:
-    """One full window, then a partial one that only rank 0 holds: flush on every rank."""
+    """One full window, then a partial one of one micro-batch on every rank: flush on every rank."""
     local = GLOBAL_MICRO // world
     x, y = data((FLUSH_STEPS + 1) * GLOBAL_MICRO)
     model = net()
     acc = Accumulator(nn.SGD(model.trainable_params(), 0.1), FLUSH_STEPS)
     counter = counted(acc)
     fn = grad_fn(model)
-    for i in range(FLUSH_STEPS + (rank == 0)):
+    for i in range(FLUSH_STEPS + 1):
         start = i * GLOBAL_MICRO + rank * local
         loss, grads = fn(x[start:start + local], y[start:start + local])
         acc(grads, loss=loss)  # eagerly, this time
@@ -116,7 +118,67 @@ def partial_flush(rank: int, world: int) -> dict[str, Any]:
             "optimizer_steps": acc.optimizer_steps}
 
 
-SCENARIOS = {"mean": mean_windows, "items": item_window, "flush": partial_flush}
+def unequal_flush(rank: int, world: int) -> dict[str, Any]:
+    """Partial windows of 2 and 1 micro-batches, then of 1 and 0: each flush raises on every rank
+    and changes nothing."""
+    x, y = data(4)
+    model = net()
+    acc = Accumulator(nn.SGD(model.trainable_params(), 0.1), FLUSH_STEPS)
+    fn = grad_fn(model)
+    errors, unchanged = [], []
+    for held in ((2, 1), (1, 0)):
+        for _ in range(held[rank]):
+            acc(fn(x, y)[1])
+        before = (params(model), [b.asnumpy().copy() for b in acc._grads], acc.micro_step)
+        try:
+            acc.flush()
+        except ValueError as err:
+            errors.append(str(err))
+        after = (params(model), [b.asnumpy().copy() for b in acc._grads], acc.micro_step)
+        unchanged.append(before[2] == after[2] and all(
+            (a == b).all() for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True)))
+        acc.discard()
+    return {"errors": errors, "unchanged": unchanged, "optimizer_steps": acc.optimizer_steps,
+            "flushed_after": bool(acc.flush())}
+
+
+def bn_net() -> nn.Cell:
+    """The test MLP with a BatchNorm between its layers (momentum 0.5: the statistics move fast)."""
+    model = nn.SequentialCell(nn.Dense(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN, momentum=0.5), nn.Tanh(),
+                              nn.Dense(HIDDEN, D_OUT))
+    rng = np.random.default_rng(0)
+    for p in model.trainable_params():
+        p.set_data(Tensor(rng.normal(0.0, 0.5, p.shape).astype(np.float32)))
+    return model
+
+
+def batchnorm(rank: int, world: int) -> dict[str, Any]:
+    """Two windows of 2 micro-batches on a BatchNorm model inside ``@ms.jit``, with and without
+    average_batchnorm."""
+    x, y = data(WINDOWS * STEPS * GLOBAL_MICRO)
+    local = GLOBAL_MICRO // world
+    out: dict[str, Any] = {}
+    for name, average in (("averaged", True), ("plain", False)):
+        model = bn_net()
+        acc = Accumulator(nn.SGD(model.trainable_params(), 0.1), STEPS,
+                          average_batchnorm=model if average else None)
+        fn = grad_fn(model)
+        model.set_train(True)
+
+        @ms.jit
+        def train_step(xb: Tensor, yb: Tensor, acc: Accumulator = acc, fn: Any = fn) -> Tensor:
+            return acc(fn(xb, yb)[1])
+
+        for i in range(2 * STEPS):
+            start = i * GLOBAL_MICRO + rank * local
+            train_step(x[start:start + local], y[start:start + local])
+        out[name] = {"stats": [p.asnumpy().copy() for p in batchnorm_statistics(model)],
+                     "params": params(model)}
+    return out
+
+
+SCENARIOS = {"mean": mean_windows, "items": item_window, "flush": partial_flush,
+             "unequal": unequal_flush, "batchnorm": batchnorm}
 
 
 def main() -> None:

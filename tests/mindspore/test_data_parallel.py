@@ -63,8 +63,8 @@ def test_one_all_reduce_per_window_none_per_micro_batch(ranks):
     for r in scenario(ranks, "mean"):
         # One collective at each boundary, none off it: calls 1..6 with N = 2.
         assert r["counts"] == [i // STEPS for i in range(1, WINDOWS * STEPS + 1)]
-        # flush() reduces too (every rank must call it); with nothing held it does not step.
-        assert (r["flushed"], r["count_after_flush"], r["optimizer_steps"]) == (False, WINDOWS + 1, WINDOWS)
+        # flush() with nothing held anywhere: the ranks agree on the host, and no graph runs.
+        assert (r["flushed"], r["count_after_flush"], r["optimizer_steps"]) == (False, WINDOWS, WINDOWS)
 
 
 def test_item_counts_are_summed_over_ranks(ranks):
@@ -87,20 +87,44 @@ def test_item_counts_are_summed_over_ranks(ranks):
     assert differ(params(twin), params(reference))
 
 
-def test_flush_steps_every_rank_when_one_rank_holds_the_partial_window(ranks):
+def test_flush_of_equal_partial_windows_equals_one_process(ranks):
     local = GLOBAL_MICRO // 2
     x, y = data((FLUSH_STEPS + 1) * GLOBAL_MICRO)
     full = FLUSH_STEPS * GLOBAL_MICRO
-    tail = slice(full, full + local)  # rank 0's one micro-batch of the partial window
+    tail = slice(full, full + GLOBAL_MICRO)  # one micro-batch on each rank: one global micro-batch
     reference = net()
     opt = nn.SGD(reference.trainable_params(), 0.1)
     full_batch_steps(reference, opt, [(x[:full], y[:full])])
     expected_loss = float(LOSS(reference(x[tail]), y[tail]).asnumpy())
     full_batch_steps(reference, opt, [(x[tail], y[tail])])
-    r0, r1 = scenario(ranks, "flush")
-    assert (r0["held"], r1["held"]) == (1, 0)
-    for r in (r0, r1):
-        # Rank 1's buffer still held the first window's gradient: it must count as zeros.
-        assert (r["flushed"], r["optimizer_steps"], r["count"]) == (True, 2, 2)
+    assert local * 2 == GLOBAL_MICRO
+    for r in scenario(ranks, "flush"):
+        assert (r["held"], r["flushed"], r["optimizer_steps"], r["count"]) == (1, True, 2, 2)
         assert_params_close(r["params"], params(reference))
         assert r["window_loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_flush_of_unequal_partial_windows_raises_on_every_rank_and_changes_nothing(ranks):
+    for r in scenario(ranks, "unequal"):
+        assert len(r["errors"]) == 2
+        assert r["errors"][0].startswith("flush(): the ranks hold partial windows of different lengths "
+                                         "(from 1 to 2 micro-batches); every rank must feed the same")
+        assert "(from 0 to 1 micro-batches)" in r["errors"][1]
+        assert r["unchanged"] == [True, True]
+        assert (r["optimizer_steps"], r["flushed_after"]) == (0, False)  # discard() then agreed on 0
+
+
+def test_average_batchnorm_leaves_the_ranks_with_the_mean_of_their_statistics(ranks):
+    r0, r1 = scenario(ranks, "batchnorm")
+    averaged = (r0["averaged"]["stats"], r1["averaged"]["stats"])
+    plain = (r0["plain"]["stats"], r1["plain"]["stats"])
+    assert all(np.array_equal(a, b) for a, b in zip(*averaged, strict=True))
+    # The negative twin: without averaging, each rank keeps statistics of its own micro-batches.
+    assert differ(*plain)
+    # The running statistics are affine in the batch statistics, and the parameters are the same
+    # in both runs (the gradients are reduced either way), so averaging at each boundary gives the
+    # mean of the per-rank statistics.
+    assert_params_close(averaged[0], [(a + b) / 2 for a, b in zip(*plain, strict=True)])
+    assert_params_close(r0["averaged"]["params"], r0["plain"]["params"])
+    assert all(np.array_equal(a, b) for a, b in zip(r0["averaged"]["params"], r1["averaged"]["params"],
+                                                     strict=True))

@@ -123,3 +123,13 @@ def test_data_parallel_needs_init_and_a_bool():
         Accumulator(sgd(), 2, data_parallel=True)
     with pytest.raises(TypeError, match="data_parallel must be None, True or False, got 'yes'"):
         Accumulator(sgd(), 2, data_parallel="yes")
+
+
+def test_average_batchnorm_needs_a_cell_with_batchnorm_statistics():
+    with pytest.raises(TypeError, match=r"average_batchnorm must be a mindspore\.nn\.Cell, got list"):
+        Accumulator(sgd(), 2, average_batchnorm=[])
+    with pytest.raises(ValueError, match="average_batchnorm=SequentialCell: the model has no BatchNorm"):
+        Accumulator(sgd(), 2, average_batchnorm=net())
+    model = nn.SequentialCell(nn.Dense(3, 4), nn.BatchNorm1d(4))
+    acc = Accumulator(sgd(model), 2, average_batchnorm=model)
+    assert acc.world_size == 1  # one process: nothing to average, accepted

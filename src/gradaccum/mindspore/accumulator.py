@@ -29,7 +29,13 @@ import gradaccum.mindspore.buffers as buffers
 from gradaccum.core.schedule import as_schedule
 from gradaccum.core.validate import check_optional_positive_float
 from gradaccum.core.window import Weighting
-from gradaccum.mindspore.data_parallel import ITEM_BASE, WindowReduce, data_parallel_world
+from gradaccum.mindspore.data_parallel import (
+    ITEM_BASE,
+    WindowReduce,
+    agree_on_length,
+    batchnorm_statistics,
+    data_parallel_world,
+)
 from gradaccum.mindspore.host import HostSide
 from gradaccum.mindspore.validate import check_call, check_parts
 
@@ -62,7 +68,10 @@ class Accumulator(HostSide):
     accumulator with its own micro-batches, and at the boundary the window's gradient, item
     total and loss are summed over the ranks in one all-reduce, before normalizing and clipping;
     the micro-steps in between communicate nothing. Every rank must feed the same number of
-    micro-batches per window and call :meth:`flush` and :meth:`discard` at the same points.
+    micro-batches per window and call :meth:`flush` and :meth:`discard` at the same points;
+    :meth:`flush` raises on every rank when their partial windows differ in length. Plain
+    BatchNorm keeps running statistics per rank; ``average_batchnorm=model`` replaces them by
+    their mean over the ranks at each boundary, in the same all-reduce.
 
     Args:
         optimizer: the ``mindspore.nn.Optimizer`` to step once per window; the gradients passed
@@ -75,6 +84,10 @@ class Accumulator(HostSide):
         data_parallel: ``None`` (default): reduce over the ranks when
             ``mindspore.communication.init()`` has run with more than one; ``True``: the same,
             and raise if it has not run; ``False``: never (you reduce the gradients yourself).
+        average_batchnorm: a model (``mindspore.nn.Cell``) whose BatchNorm running statistics
+            (``moving_mean``, ``moving_variance``) are averaged over the ranks at each boundary,
+            so that every rank evaluates with the same ones; ``None`` (default): each rank keeps
+            its own. Ignored without data parallel.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
@@ -97,11 +110,13 @@ class Accumulator(HostSide):
     """
 
     def __init__(self, optimizer: Any, steps: Any, clip_norm: float | None = None, *,
-                 weighting: Weighting = "mean", data_parallel: bool | None = None) -> None:
+                 weighting: Weighting = "mean", data_parallel: bool | None = None,
+                 average_batchnorm: Any = None) -> None:
         schedule = as_schedule(steps)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
         check_parts(optimizer, weighting, schedule)
         world = data_parallel_world(data_parallel)
+        stats = () if average_batchnorm is None else batchnorm_statistics(average_batchnorm)
         self.optimizer = optimizer
         self.schedule = schedule
         self.weighting = weighting
@@ -116,7 +131,7 @@ class Accumulator(HostSide):
         self._grads = optimizer.parameters.clone(prefix=tag, init="zeros")
         for buf in self._grads:
             buf.requires_grad = False
-        self._reduce = WindowReduce(self._grads, world) if world > 1 else None
+        self._reduce = WindowReduce(self._grads, world, stats) if world > 1 else None
         first = schedule(0)
         self._size = _counter(tag, "size", first)
         self._next_size = _counter(tag, "next_size", first)
@@ -177,13 +192,23 @@ class Accumulator(HostSide):
     def flush(self) -> Tensor:
         """Apply a partial window now (end of data), as the mean over the micro-batches it holds.
 
-        Under data parallel every rank must call it, also a rank whose window is empty: the
-        window is reduced first (one all-reduce), and every rank steps when any rank held
-        micro-batches. The mean is then over all the micro-batches the ranks held.
+        Call it outside the graph. Under data parallel every rank must call it: the ranks first
+        agree on the window's length on the host (one all-gather of one number per rank), then
+        the window is reduced (one all-reduce) and applied; when every window is empty nothing
+        runs. The mean is over all the micro-batches the ranks held.
 
         Returns:
             A bool Tensor: True when the optimizer stepped, False when nothing was pending.
+
+        Raises:
+            ValueError: under data parallel, the ranks hold partial windows of different
+                lengths; every rank raises, before anything changes.
         """
+        if self._reduce is not None and agree_on_length(self.micro_step) == 0:
+            return Tensor(False)
+        return self._flush()
+
+    def _flush(self) -> Tensor:
         totals = self._totals()
         stepped = totals[0] > 0
         if stepped:

@@ -8,6 +8,11 @@ total is exact over all ranks and the window is normalized by it, not by a per-r
 
 The item total is split in two float parts (``items // 4096`` and ``items % 4096``) so that the
 float32 sum stays an exact integer up to 2**36 items per window on up to 4096 ranks.
+
+``flush()`` first agrees on the window's length on the host (:func:`agree_on_length`, one
+all-gather of one number per rank), so that partial windows of different lengths raise on every
+rank before the graph runs; and with ``average_batchnorm=`` the BatchNorm running statistics
+ride in the window's all-reduce too, and come back as their mean over the ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-__all__ = ["ITEM_BASE", "WindowReduce", "data_parallel_world"]
+__all__ = ["ITEM_BASE", "WindowReduce", "agree_on_length", "batchnorm_statistics", "data_parallel_world"]
 
 ITEM_BASE = 4096  # the item total travels as (items // ITEM_BASE, items % ITEM_BASE)
 
@@ -57,12 +62,80 @@ def data_parallel_world(data_parallel: Any) -> int:
     return int(get_group_size())
 
 
+def agree_on_length(micro_step: int) -> int:
+    """The length of the partial window every rank holds, agreed on the host before ``flush()``'s graph.
+
+    One all-gather of one float32 per rank (MindSpore's CPU all-reduce only sums, so the
+    shortest and longest window come from the gathered values); every rank sees the same values,
+    so every rank returns or every rank raises, and none is left waiting in a collective.
+
+    Args:
+        micro_step: the micro-batches this rank's open window holds.
+
+    Returns:
+        That length, the same on every rank (0: every window is empty).
+
+    Raises:
+        ValueError: the ranks hold partial windows of different lengths (the message names the
+            shortest and the longest).
+
+    Example:
+        Under msrun, on every rank, before the flush's graph::
+
+            if agree_on_length(acc.micro_step) == 0:
+                ...  # nothing to apply anywhere
+    """
+    gathered = ops.AllGather()(Tensor(np.array([micro_step], np.float32))).asnumpy()
+    shortest, longest = int(gathered.min()), int(gathered.max())
+    if shortest != longest:
+        raise ValueError(
+            f"flush(): the ranks hold partial windows of different lengths (from {shortest} to "
+            f"{longest} micro-batches); every rank must feed the same number of micro-batches per "
+            "window (give every rank the same number of batches, e.g. drop the last uneven ones)")
+    return longest
+
+
+def batchnorm_statistics(model: Any) -> tuple[Parameter, ...]:
+    """The running statistics of ``model``'s BatchNorm layers (every ``moving_mean`` and
+    ``moving_variance`` Parameter), to average over the ranks at each boundary.
+
+    Args:
+        model: a ``mindspore.nn.Cell``.
+
+    Returns:
+        The Parameters, in the model's order.
+
+    Raises:
+        TypeError: ``model`` is not a Cell.
+        ValueError: ``model`` has no BatchNorm running statistics.
+
+    Example:
+        >>> from mindspore import nn
+        >>> [p.name for p in batchnorm_statistics(nn.SequentialCell([nn.BatchNorm1d(2)]))]
+        ['0.moving_mean', '0.moving_variance']
+    """
+    from mindspore import nn
+
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"average_batchnorm must be a mindspore.nn.Cell, got {type(model).__name__}")
+    stats = tuple(p for name, p in model.parameters_and_names()
+                  if name.rsplit(".", 1)[-1] in ("moving_mean", "moving_variance"))
+    if not stats:
+        raise ValueError(f"average_batchnorm={type(model).__name__}: the model has no BatchNorm running "
+                         "statistics (no moving_mean or moving_variance Parameter)")
+    return stats
+
+
 def _flat(dtype: Any, buf: Tensor) -> Tensor:
     return buf.reshape(-1).astype(dtype)
 
 
 def _put(buf: Tensor, piece: Tensor) -> Tensor:
     return ops.assign(buf, piece.reshape(buf.shape).astype(buf.dtype))
+
+
+def _put_mean(world: int, buf: Tensor, piece: Tensor) -> Tensor:
+    return ops.assign(buf, (piece / world).reshape(buf.shape).astype(buf.dtype))
 
 
 @ms.jit_class
@@ -72,6 +145,8 @@ class WindowReduce:
     Args:
         buffers: the accumulator's gradient buffers (their shapes fix the split).
         world: the number of ranks (the collective spans the world group).
+        stats: Parameters to replace by their mean over the ranks in the same all-reduce (the
+            BatchNorm running statistics of ``average_batchnorm=``); none by default.
 
     Example:
         Built by the accumulator under data parallel only::
@@ -80,16 +155,20 @@ class WindowReduce:
             totals = reduce(acc_buffers, counters, True)  # inside the boundary's graph branch
     """
 
-    def __init__(self, buffers: Sequence[Parameter], world: int) -> None:
+    def __init__(self, buffers: Sequence[Parameter], world: int, stats: Sequence[Parameter] = ()) -> None:
         self.world = world
         wide = any(b.dtype == ms.float64 for b in buffers)
         self.dtype = ms.float64 if wide else ms.float32  # never below float32: exact counters
         self.sizes = tuple(int(np.prod(b.shape)) for b in buffers)
+        self.stats = ms.ParameterTuple(stats)
+        self.n_stats = len(stats)
+        self.stat_sizes = tuple(int(np.prod(p.shape)) for p in stats)
         self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM)
         self._map = ops.HyperMap()
 
     def __call__(self, buffers: Sequence[Parameter], counters: Tensor, held: Tensor) -> Tensor:
-        """Replace every buffer by its sum over the ranks; return the summed ``counters``.
+        """Replace every buffer by its sum over the ranks (and every statistic by its mean);
+        return the summed ``counters``.
 
         Args:
             buffers: the gradient buffers.
@@ -99,8 +178,13 @@ class WindowReduce:
         """
         flat = ops.concat(self._map(ops.partial(_flat, self.dtype), buffers))
         flat = ops.select(held.broadcast_to(flat.shape), flat, ops.zeros_like(flat))
-        # One collective per window: the counters ride at the end of the gradients.
+        if self.n_stats > 0:  # a constant: the graph without statistics has no branch
+            flat = ops.concat((flat, ops.concat(self._map(ops.partial(_flat, self.dtype), self.stats))))
+        # One collective per window: the statistics and the counters ride after the gradients.
         total = self.all_reduce(ops.concat((flat, counters.astype(self.dtype))))
-        pieces = ops.split(total, (*self.sizes, counters.shape[0]))
-        done = self._map(_put, buffers, pieces[:-1])
+        pieces = ops.split(total, (*self.sizes, *self.stat_sizes, counters.shape[0]))
+        n = len(self.sizes)
+        done = self._map(_put, buffers, pieces[:n])
+        if self.n_stats > 0:
+            done = ops.depend(done, self._map(ops.partial(_put_mean, self.world), self.stats, pieces[n:-1]))
         return ops.depend(pieces[-1], done)
