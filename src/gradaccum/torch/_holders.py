@@ -59,6 +59,6 @@ class Holders:
                     f"{id(other):#x}) holds a partial window over "
                     f"({held} micro-batch(es)) in the same .grad: its gradients would be applied "
                     "now and then zeroed. Use one accumulator per set of parameters (for loss "
-                    "terms of different normalizers: acc.micro_batch() with mb.backward(loss, "
-                    "n_items=..., total=...)), or flush() or discard() the other one first"
+                    "terms of different normalizers: acc.micro_batch() and mb.term(loss, n_items, "
+                    "total=T), or flush() or discard() the other one first"
                 )

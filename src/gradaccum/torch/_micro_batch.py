@@ -1,5 +1,5 @@
-"""The handle of a micro-batch fed by several backward calls (multi-task losses, and loss terms
-of different normalizers: :mod:`gradaccum.torch._terms`)."""
+"""The handle of a micro-batch fed by several backward calls (multi-task losses), and of loss
+terms with a normalizer of their own (:mod:`gradaccum.torch._terms`)."""
 
 from __future__ import annotations
 
@@ -13,58 +13,96 @@ from gradaccum.torch._validate import check_loss
 
 __all__ = ["MicroBatch", "micro_batch_block"]
 
-# One loss's backward: (loss, n_items, total, reduction) -> its (loss, weight) part.
-TermBackward = Callable[[torch.Tensor, Any, Any, Any], tuple[torch.Tensor, Any]]
-
 
 class MicroBatch:
     """One micro-batch fed by several backward calls; see ``Accumulator.micro_batch``.
 
     Args:
-        backward: runs one loss's backward (``loss, n_items, total, reduction``) with its weight
-            and returns its ``(loss, weight)`` part of the window's loss.
+        backward: runs one loss's backward with the micro-batch's weight and returns its
+            ``(loss, weight)`` part of the window's loss.
+        weigh: ``(n_items, total, reduction)`` to the factor :meth:`term` multiplies a term by
+            (validated; raises for a bad value or a block that cannot hold terms).
 
     Attributes:
         stepped: after the block, True when the micro-batch completed a window that stepped.
         closed: True once the ``with`` block has ended (``backward`` then raises).
     """
 
-    def __init__(self, backward: TermBackward) -> None:
+    def __init__(self, backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+                 weigh: Callable[[Any, Any, Any], Any]) -> None:
         self._backward = backward
+        self._weigh = weigh
         self.parts: list[tuple[torch.Tensor, Any]] = []
         self.stepped = False
         self.closed = False
 
-    def backward(self, loss: torch.Tensor, n_items: Any = None, *, total: Any = None,
-                 reduction: str = "mean") -> None:
-        """Backward one task's loss right away.
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one task's loss (reduced like the block's ``reduction``) right away.
+
+        Raises:
+            RuntimeError: the ``with`` block of this micro-batch has ended.
+            TypeError, ValueError: a bad ``loss``.
+        """
+        self._check_open()
+        check_loss(loss)
+        self.parts.append(self._backward(loss))
+
+    def term(self, loss: torch.Tensor, n_items: Any = None, *, total: Any,
+             reduction: str = "mean") -> torch.Tensor:
+        """A loss term with a normalizer of its own, weighted for :meth:`backward`.
+
+        Returns ``loss`` times a factor such that, backwarded in this block (alone or summed
+        with other terms and plain losses of the same forward: one backward), it weighs exactly
+        ``n_items / total`` in the window's gradient (``1 / total`` for a summed loss), whatever
+        the other terms' normalizers. Only in a block opened without ``n_items``, whose plain
+        losses weigh ``1 / N`` (a mean over the window's micro-batches); and the window must run
+        full (:meth:`Accumulator.flush` of a partial one holding a term is refused).
 
         Args:
-            loss: the loss, reduced like the block's ``reduction`` when no ``total`` is given.
-            n_items: with ``total``: this term's items in the micro-batch (its loss is their mean,
-                or their sum with ``reduction="sum"``, where it may be omitted).
-            total: the term's total over the window, every micro-batch and rank (a number > 0 or
-                a 0-dim tensor): the term weighs ``n_items / total`` (``1 / total`` summed) in the
-                window's gradient, whatever the block's weighting. Only in a block opened without
-                ``n_items``, whose plain losses are then a mean over the window's micro-batches.
-            reduction: ``"mean"`` or ``"sum"``, for a term with ``total``.
+            loss: the term's loss over this micro-batch: the mean over its ``n_items`` items
+                (``reduction="mean"``) or their sum (``"sum"``).
+            n_items: the term's items in this micro-batch: an int, a float or a 0-dim tensor,
+                > 0 with ``"mean"`` (>= 0, and optional, with ``"sum"``).
+            total: the term's items over the whole window, every micro-batch and rank: a
+                number > 0 or a 0-dim tensor (RL knows it: the buffered generation batch).
+            reduction: ``"mean"`` or ``"sum"``.
 
         Raises:
             RuntimeError: the ``with`` block of this micro-batch has ended.
             TypeError, ValueError: a bad ``loss``, ``n_items``, ``total`` or ``reduction``, or a
-                ``total`` in a block opened with ``n_items``; raised before the backward runs.
+                block opened with ``n_items``; raised before anything changes.
+
+        Example:
+            >>> import gradaccum
+            >>> model = torch.nn.Linear(3, 1)
+            >>> acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+            >>> x = torch.randn(5, 3)  # 5 items: 3 in the first micro-batch, 2 in the second
+            >>> for xb in x.split(3):
+            ...     with acc.micro_batch() as mb:
+            ...         out = model(xb)
+            ...         mb.backward(mb.term(out.pow(2).mean(), len(xb), total=5) + out.mean().abs())
+            >>> acc.optimizer_steps
+            1
         """
+        self._check_open()
+        check_loss(loss)
+        factor = self._weigh(n_items, total, reduction)
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(loss.dtype)
+        weighted: torch.Tensor = loss * factor
+        return weighted
+
+    def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this micro-batch's with-block has ended: open a new one with "
                                "acc.micro_batch()")
-        check_loss(loss)
-        self.parts.append(self._backward(loss, n_items, total, reduction))
 
 
 @contextmanager
-def micro_batch_block(backward: TermBackward) -> Iterator[MicroBatch]:
+def micro_batch_block(backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+                      weigh: Callable[[Any, Any, Any], Any]) -> Iterator[MicroBatch]:
     """A :class:`MicroBatch` open for the ``with`` block and closed when it ends (also on error)."""
-    mb = MicroBatch(backward)
+    mb = MicroBatch(backward, weigh)
     try:
         yield mb
     finally:

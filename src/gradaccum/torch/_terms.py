@@ -5,13 +5,16 @@ boundary divides by once (:mod:`gradaccum.core.window`). A loss whose terms have
 normalizers (a policy term per sequence, an entropy bonus per token, an auxiliary loss per
 micro-batch) cannot share that one correction. A term whose window total ``T`` is known up front
 (RL buffers its generation batch, so it knows each window's sequences and tokens) needs no
-correction at all: its backward is seeded with its exact weight in the window's gradient,
-``n_i / T`` (a mean over the micro-batch's ``n_i`` items) or ``1 / T`` (a sum), times the ranks
-``W`` that DDP/FSDP2 average the gradients over (``T`` counts every rank's items).
+correction at all: it gets its exact weight in the window's gradient, ``n_i / T`` (a mean over
+the micro-batch's ``n_i`` items) or ``1 / T`` (a sum), times the ranks ``W`` that DDP/FSDP2
+average the gradients over (``T`` counts every rank's items). ``mb.term`` multiplies the term's
+loss by that weight over the block's seed ``1 / N``, so terms and plain losses of one forward
+are summed and backwarded once (two backward passes through a shared trunk would double its
+cost).
 
 That is exact only when the boundary multiplies by exactly 1, which holds for a *full* window of
 mean weighting (``size / micro_step == 1``), the window kind of ``micro_batch()`` without
-``n_items``. So a term with a total needs such a block, and a window that holds one cannot be
+``n_items``. So a term needs such a block, and a window that holds one cannot be
 flushed early (its totals would be the wrong ones); both are refused with a clear error. The
 block's own losses (``mb.backward(loss)``) keep their weight ``1 / N``: a mean over the window's
 micro-batches.
@@ -26,8 +29,9 @@ from typing import Any
 import torch
 
 from gradaccum.torch._validate import check_items
+from gradaccum.torch._weights import NO_FLOAT64
 
-__all__ = ["check_term", "term_seed", "term_weight"]
+__all__ = ["check_total", "term_factor"]
 
 
 def check_total(total: Any) -> Any:
@@ -50,54 +54,45 @@ def check_total(total: Any) -> Any:
     return value
 
 
-def check_term(n_items: Any, total: Any, reduction: Any, block_items: Any) -> tuple[Any, Any, bool]:
-    """Validate one ``mb.backward`` call's own weighting, before its backward runs.
+def term_factor(n_items: Any, total: Any, reduction: Any, block_items: Any, world_size: int,
+                size: int) -> Any:
+    """The factor a term's loss is multiplied by, backwarded in a block whose seed is ``1 / size``:
+    ``(n_items if "mean" else 1) * world_size * size / total`` (validated first).
 
     Args:
         n_items: the term's items in this micro-batch (required with ``reduction="mean"``).
-        total: the term's total over the window (all micro-batches, all ranks), or None for a
-            loss weighted like the block.
+        total: the term's total over the window (all micro-batches, all ranks).
         reduction: ``"mean"`` or ``"sum"``: how the term's loss is reduced over its items.
         block_items: the ``n_items`` the block was opened with (None: mean weighting).
+        world_size: the ranks DDP/FSDP2 average the gradients over.
+        size: the window's micro-batches ``N``.
 
     Returns:
-        ``(n_items, total, summed)`` checked; ``total`` None means "weighted like the block".
+        A Python number, or a float64 0-dim tensor (float32 where the device has no float64)
+        when ``n_items`` or ``total`` is a tensor.
 
     Raises:
-        TypeError, ValueError: a bad value; ``n_items`` or ``reduction="sum"`` without
-            ``total``; ``total`` in a block opened with ``n_items``.
-    """
-    if total is None:
-        if n_items is not None or reduction != "mean":
-            raise ValueError(f"mb.backward(n_items={n_items!r}, reduction={reduction!r}) needs total=: "
-                             "the term's total over the window (a loss without them is weighted "
-                             "like the block)")
-        return None, None, False
-    if block_items is not None:
-        raise ValueError(f"mb.backward(total={total!r}) needs a block opened without n_items "
-                         f"(acc.micro_batch(), not acc.micro_batch({block_items!r})): the "
-                         "window's item total is known only at its boundary, so a term with its own "
-                         "total cannot be exact beside it; give that term n_items= and total= too")
-    n = check_items(n_items, reduction)
-    return n, check_total(total), reduction == "sum"
-
-
-def term_seed(loss: torch.Tensor, n: Any, total: Any, summed: bool, world_size: int) -> torch.Tensor:
-    """The gradient a term's backward starts from: ``(1 if summed else n) * world_size / total``.
+        TypeError, ValueError: a bad value, or ``block_items`` given (the block is item-weighted:
+            its total is known only at the boundary, so no term beside it can be exact).
 
     Example:
-        >>> term_seed(torch.tensor(2.0, dtype=torch.float64), 3, 12, False, 1)
-        tensor(0.2500, dtype=torch.float64)
+        >>> term_factor(3, 12, "mean", None, 1, 4), term_factor(None, 10, "sum", None, 2, 5)
+        (1.0, 1.0)
     """
+    if block_items is not None:
+        raise ValueError(f"mb.term(total={total!r}) needs a block opened without n_items "
+                         f"(acc.micro_batch(), not acc.micro_batch({block_items!r})): that block's "
+                         "item total is known only at the window's boundary, so a term with its own "
+                         "total cannot be exact beside it; make the block's loss a term too")
+    summed = reduction == "sum"
+    if n_items is None and reduction == "mean":
+        raise ValueError(f"mb.term(n_items=None, total={total!r}) with reduction='mean' needs n_items: "
+                         "the term's items in this micro-batch, its loss being their mean")
+    n = check_items(n_items if n_items is not None or not summed else 0, reduction)
+    t = check_total(total)
     count = 1 if summed else n
-    if not isinstance(count, torch.Tensor) and not isinstance(total, torch.Tensor):
-        return torch.full(loss.shape, count * world_size / total, dtype=loss.dtype, device=loss.device)
-    wide = torch.float64 if loss.device.type != "mps" else torch.float32
-    seed: torch.Tensor = torch.as_tensor(count, dtype=wide, device=loss.device) * world_size / total
-    return seed.to(loss.dtype).reshape(loss.shape)
-
-
-def term_weight(n: Any, total: Any, summed: bool, world_size: int, size: int) -> Any:
-    """The term's weight in the window's loss ``sum(loss * weight) / size`` (a full window)."""
-    count = 1 if summed else n
-    return count * world_size * size / total
+    if not isinstance(count, torch.Tensor) and not isinstance(t, torch.Tensor):
+        return count * world_size * size / t
+    device = t.device if isinstance(t, torch.Tensor) else torch.as_tensor(count).device
+    wide = torch.float32 if device.type in NO_FLOAT64 else torch.float64
+    return torch.as_tensor(count, dtype=wide, device=device) * (world_size * size) / t

@@ -19,7 +19,7 @@ from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
-from gradaccum.torch._terms import check_term, term_seed, term_weight
+from gradaccum.torch._terms import term_factor
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -123,7 +123,7 @@ class Accumulator(WindowHooks):
         self.grad_norm: torch.Tensor | None = None
         self._last_loss: WindowLoss | None = None
         self._warned_no_grad = False
-        self._terms_fed = False  # the window holds a term of its own total (mb.backward(total=))
+        self._terms_fed = False  # the window holds a term of its own total (mb.term)
         self._holders = Holders(self, params, _open_steps)
         self._open_window(None)
 
@@ -205,9 +205,10 @@ class Accumulator(WindowHooks):
 
         Terms of different normalizers (a policy term per sequence, an entropy bonus per token,
         an auxiliary loss per micro-batch): open the block without ``n_items`` and give each
-        term its count and its total over the window, ``mb.backward(loss, n_items, total=T)``;
-        a plain ``mb.backward(loss)`` is then a mean over the window's micro-batches. Exact for
-        a full window (a window holding such a term cannot be flushed early: docs/INTEGRATIONS.md).
+        term its count and its total over the window, ``mb.backward(mb.term(loss, n_items,
+        total=T) + ...)`` (:meth:`MicroBatch.term`); a plain loss in the sum weighs ``1/N``, a
+        mean over the window's micro-batches. Exact for a full window (one holding a term cannot
+        be flushed early: docs/INTEGRATIONS.md).
 
         Example:
             >>> model = torch.nn.Linear(3, 2)
@@ -226,17 +227,16 @@ class Accumulator(WindowHooks):
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
 
-        def run(loss: torch.Tensor, n_term: Any, total: Any, reduction: Any) -> tuple[torch.Tensor, Any]:
-            if total is None and n_term is None and reduction == "mean":
-                self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
-                return loss.detach(), 1 if n is None or summed else n
-            m, t, term_summed = check_term(n_term, total, reduction, n)
-            world = self._sync.world_size
-            self._precision.backward(loss, term_seed(loss, m, t, term_summed, world))
-            self._terms_fed = True
-            return loss.detach(), term_weight(m, t, term_summed, world, pending.size)
+        def run(loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
+            return loss.detach(), 1 if n is None or summed else n
 
-        with micro_batch_block(run) as mb:
+        def weigh(n_term: Any, total: Any, term_reduction: Any) -> Any:
+            factor = term_factor(n_term, total, term_reduction, n, self._sync.world_size, pending.size)
+            self._terms_fed = True
+            return factor
+
+        with micro_batch_block(run, weigh) as mb:
             yield mb
         mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts)))
 
@@ -251,7 +251,7 @@ class Accumulator(WindowHooks):
         if self._terms_fed and not self._window.complete:
             raise ValueError(
                 f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
-                "term with its own total (mb.backward(..., total=)): that total was the full "
+                "term with its own total (mb.term(..., total=)): that total was the full "
                 "window's; discard() it, or give the short window its own totals and steps")
         self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
