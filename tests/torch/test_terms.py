@@ -228,3 +228,16 @@ def test_a_dropped_accumulator_holds_nothing():
     del old
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 1)
     assert acc.backward(model(x).sum())
+
+
+def test_a_dropped_accumulator_in_a_reference_cycle_holds_nothing():
+    # Dropped with a partial window, but alive until the collector runs: not a conflict.
+    model = fresh()
+    x = torch.ones(2, 4, dtype=torch.float64)
+    old = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 2)
+    old.backward(model(x).sum())
+    old.cycle = old
+    del old
+    model.zero_grad(set_to_none=True)
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 1)
+    assert acc.backward(model(x).sum())

@@ -13,6 +13,7 @@ are consumed and then zeroed), so the run would be wrong from that window on.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,19 +47,30 @@ class Holders:
         Raises:
             RuntimeError: naming both accumulators and what to do.
         """
+        if self._holder(owner) is None:
+            return
+        # An accumulator dropped inside a reference cycle lives until the collector runs: collect
+        # once, on a conflict only, before calling it one.
+        gc.collect()
+        found = self._holder(owner)
+        if found is not None:
+            other, held = found
+            raise RuntimeError(
+                f"{owner!r} (id {id(owner):#x}) would step parameters that {other!r} (id "
+                f"{id(other):#x}) holds a partial window over ({held} micro-batch(es)) in the same "
+                ".grad: its gradients would be applied now and then zeroed. Use one accumulator "
+                "per set of parameters (for loss terms of different normalizers: "
+                "acc.micro_batch() and mb.term(loss, n_items, total=T)), or flush() or discard() "
+                "the other one first"
+            )
+
+    def _holder(self, owner: Any) -> tuple[Any, int] | None:
+        """Another live accumulator with a partial window over these parameters, and its count."""
         for other in list(_LIVE):
-            if other is owner:
-                continue
             entry = getattr(other, "_holders", None)
-            if not isinstance(entry, Holders) or not self.ids & entry.ids:
+            if other is owner or not isinstance(entry, Holders) or not self.ids & entry.ids:
                 continue
             held = entry._open_steps(other)
             if held:
-                raise RuntimeError(
-                    f"{owner!r} (id {id(owner):#x}) would step parameters that {other!r} (id "
-                    f"{id(other):#x}) holds a partial window over "
-                    f"({held} micro-batch(es)) in the same .grad: its gradients would be applied "
-                    "now and then zeroed. Use one accumulator per set of parameters (for loss "
-                    "terms of different normalizers: acc.micro_batch() and mb.term(loss, n_items, "
-                    "total=T), or flush() or discard() the other one first"
-                )
+                return other, held
+        return None
