@@ -1,4 +1,5 @@
-"""The handle of a micro-batch fed by several backward calls (multi-task losses)."""
+"""The handle of a micro-batch fed by several backward calls (multi-task losses), and of loss
+terms with a normalizer of their own (:mod:`gradaccum.torch._terms`)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ class MicroBatch:
     Args:
         backward: runs one loss's backward with the micro-batch's weight and returns its
             ``(loss, weight)`` part of the window's loss.
+        weigh: ``(n_items, total, reduction)`` to the factor :meth:`term` multiplies a term by
+            (validated; raises for a bad value or a block that cannot hold terms).
 
     Attributes:
         stepped: after the block, True when the micro-batch completed a window that stepped.
         closed: True once the ``with`` block has ended (``backward`` then raises).
     """
 
-    def __init__(self, backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]) -> None:
+    def __init__(self, backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+                 weigh: Callable[[Any, Any, Any], Any]) -> None:
         self._backward = backward
+        self._weigh = weigh
         self.parts: list[tuple[torch.Tensor, Any]] = []
         self.stepped = False
         self.closed = False
@@ -38,17 +43,66 @@ class MicroBatch:
             RuntimeError: the ``with`` block of this micro-batch has ended.
             TypeError, ValueError: a bad ``loss``.
         """
-        if self.closed:
-            raise RuntimeError("this micro-batch's with-block has ended: open a new one with "
-                               "acc.micro_batch()")
+        self._check_open()
         check_loss(loss)
         self.parts.append(self._backward(loss))
 
+    def term(self, loss: torch.Tensor, n_items: Any = None, *, total: Any,
+             reduction: str = "mean") -> torch.Tensor:
+        """A loss term with a normalizer of its own, weighted for :meth:`backward`.
+
+        Returns ``loss`` times a factor such that, backwarded in this block (alone or summed
+        with other terms and plain losses of the same forward: one backward), it weighs exactly
+        ``n_items / total`` in the window's gradient (``1 / total`` for a summed loss), whatever
+        the other terms' normalizers. Only in a block opened without ``n_items``, whose plain
+        losses weigh ``1 / N`` (a mean over the window's micro-batches); and the window must run
+        full (:meth:`Accumulator.flush` of a partial one holding a term is refused).
+
+        Args:
+            loss: the term's loss over this micro-batch: the mean over its ``n_items`` items
+                (``reduction="mean"``) or their sum (``"sum"``).
+            n_items: the term's items in this micro-batch: an int, a float or a 0-dim tensor,
+                > 0 with ``"mean"`` (>= 0, and optional, with ``"sum"``).
+            total: the term's items over the whole window, every micro-batch and rank: a
+                number > 0 or a 0-dim tensor (RL knows it: the buffered generation batch).
+            reduction: ``"mean"`` or ``"sum"``.
+
+        Raises:
+            RuntimeError: the ``with`` block of this micro-batch has ended.
+            TypeError, ValueError: a bad ``loss``, ``n_items``, ``total`` or ``reduction``, or a
+                block opened with ``n_items``; raised before anything changes.
+
+        Example:
+            >>> import gradaccum
+            >>> model = torch.nn.Linear(3, 1)
+            >>> acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+            >>> x = torch.randn(5, 3)  # 5 items: 3 in the first micro-batch, 2 in the second
+            >>> for xb in x.split(3):
+            ...     with acc.micro_batch() as mb:
+            ...         out = model(xb)
+            ...         mb.backward(mb.term(out.pow(2).mean(), len(xb), total=5) + out.mean().abs())
+            >>> acc.optimizer_steps
+            1
+        """
+        self._check_open()
+        check_loss(loss)
+        factor = self._weigh(n_items, total, reduction)
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(loss.dtype)
+        weighted: torch.Tensor = loss * factor
+        return weighted
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this micro-batch's with-block has ended: open a new one with "
+                               "acc.micro_batch()")
+
 
 @contextmanager
-def micro_batch_block(backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]) -> Iterator[MicroBatch]:
+def micro_batch_block(backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+                      weigh: Callable[[Any, Any, Any], Any]) -> Iterator[MicroBatch]:
     """A :class:`MicroBatch` open for the ``with`` block and closed when it ends (also on error)."""
-    mb = MicroBatch(backward)
+    mb = MicroBatch(backward, weigh)
     try:
         yield mb
     finally:

@@ -14,10 +14,12 @@ from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
+from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
+from gradaccum.torch._terms import term_factor
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -34,6 +36,11 @@ from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
 
+
+
+def _open_steps(acc: Accumulator) -> int:
+    """Micro-batches ``acc``'s window holds (for :class:`Holders`: another accumulator's check)."""
+    return acc.micro_step
 
 
 class Accumulator(WindowHooks):
@@ -116,6 +123,8 @@ class Accumulator(WindowHooks):
         self.grad_norm: torch.Tensor | None = None
         self._last_loss: WindowLoss | None = None
         self._warned_no_grad = False
+        self._terms_fed = False  # the window holds a term of its own total (mb.term)
+        self._holders = Holders(self, params, _open_steps)
         self._open_window(None)
 
     @property
@@ -194,6 +203,13 @@ class Accumulator(WindowHooks):
         alive at a time; the block counts as one micro-batch and the handle closes with it. On an
         exception inside the block, call :meth:`discard`: its gradients are partly accumulated.
 
+        Terms of different normalizers (a policy term per sequence, an entropy bonus per token,
+        an auxiliary loss per micro-batch): open the block without ``n_items`` and give each
+        term its count and its total over the window, ``mb.backward(mb.term(loss, n_items,
+        total=T) + ...)`` (:meth:`MicroBatch.term`); a plain loss in the sum weighs ``1/N``, a
+        mean over the window's micro-batches. Exact for a full window (one holding a term cannot
+        be flushed early: docs/INTEGRATIONS.md).
+
         Example:
             >>> model = torch.nn.Linear(3, 2)
             >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
@@ -215,7 +231,12 @@ class Accumulator(WindowHooks):
             self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
             return loss.detach(), 1 if n is None or summed else n
 
-        with micro_batch_block(run) as mb:
+        def weigh(n_term: Any, total: Any, term_reduction: Any) -> Any:
+            factor = term_factor(n_term, total, term_reduction, n, self._sync.world_size, pending.size)
+            self._terms_fed = True
+            return factor
+
+        with micro_batch_block(run, weigh) as mb:
             yield mb
         mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts)))
 
@@ -227,6 +248,11 @@ class Accumulator(WindowHooks):
             ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
                 every rank, before anything changes).
         """
+        if self._terms_fed and not self._window.complete:
+            raise ValueError(
+                f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
+                "term with its own total (mb.term(..., total=)): that total was the full "
+                "window's; discard() it, or give the short window its own totals and steps")
         self._sync.sync_partial(self._params, self._window.micro_step)
         if self._window.empty:
             return False
@@ -294,6 +320,7 @@ class Accumulator(WindowHooks):
         """The boundary, as a transaction: the window is stepped, counted and cleared, and the
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
+        self._holders.check_boundary(self)
         try:
             out = step_window(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
@@ -334,6 +361,7 @@ class Accumulator(WindowHooks):
         window raise, e.g. on a bad schedule value, no micro-batch is applied twice)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
+        self._terms_fed = False
         self._window = Window(self._window.size, basis=basis)
 
     def state_dict(self) -> dict[str, Any]:
