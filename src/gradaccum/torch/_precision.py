@@ -145,7 +145,7 @@ class Precision:
         active scaler, then fold narrow gradients into the wide buffers: the only per-micro-step
         work here."""
         scaler = self._scaler
-        (loss if scaler is None else scaler.scale(loss)).backward(seed)  # type: ignore[no-untyped-call]
+        seeded_backward(loss if scaler is None else scaler.scale(loss), seed)
         if self.buffers is not None:
             self.buffers.collect()
 
@@ -256,6 +256,26 @@ class Precision:
         """Restore the wide buffers (after :meth:`check_state`)."""
         if self.buffers is not None:
             self.buffers.load_state_dict(state)
+
+
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def seeded_backward(loss: torch.Tensor, seed: torch.Tensor | None) -> None:
+    """``loss.backward(seed)``, straight into autograd's engine for a plain real tensor.
+
+    ``torch.autograd.backward`` first checks, in Python, that each seed has its output's shape
+    and kind (a few microseconds per micro-step, a third of a trivial model's overhead): the
+    accumulator makes every seed itself with the loss's shape (``_weights.loss_seed``), so those
+    checks cannot fail here and the engine (which casts a seed's dtype itself) is called
+    directly, as ``torch.autograd.backward`` does after them. A tensor subclass, a complex loss,
+    no seed, or a torch without that entry take the public path.
+    """
+    if (seed is None or _run_backward is None or type(loss) is not torch.Tensor
+            or type(seed) is not torch.Tensor or loss.dtype.is_complex):
+        loss.backward(seed)  # type: ignore[no-untyped-call]
+        return
+    _run_backward((loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _version(p: torch.Tensor) -> int:

@@ -93,8 +93,10 @@ def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -
             return None
         if not isinstance(n, torch.Tensor):
             return torch.full(loss.shape, n, dtype=loss.dtype, device=loss.device)
-        # Another dtype: autograd casts it into a new tensor (one kernel, no Python op).
-        seed = n if n.dtype != loss.dtype else n.clone()
+        if n.device != loss.device:  # a CPU count of a GPU loss: one small copy
+            seed = n.to(loss.device, loss.dtype, non_blocking=True)
+        else:  # another dtype: autograd casts it into a new tensor (one kernel, no Python op)
+            seed = n if n.dtype != loss.dtype else n.clone()
     elif not isinstance(scale, torch.Tensor):
         if not isinstance(n, torch.Tensor):
             return torch.full(loss.shape, (1 if summed else n) / scale, dtype=loss.dtype, device=loss.device)
