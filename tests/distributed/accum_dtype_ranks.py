@@ -49,9 +49,12 @@ def accumulate(rank: int, world: int, dtype: torch.dtype, accum: torch.dtype,
     acc = gradaccum.Accumulator(torch.optim.SGD(ddp.parameters(), lr=0.1), STEPS, model=ddp,
                                 accum_dtype=accum)
     train(ddp, acc, rank, world, world, STEPS, partial)
+    buffers = acc._precision.buffers
+    assert buffers is not None
     return {"params": [p.detach().clone() for p in ddp.module.parameters()],
             "ref": one_process(dtype, accum, world, partial), "steps": acc.optimizer_steps,
-            "flag": ddp.require_backward_grad_sync}
+            "flag": ddp.require_backward_grad_sync, "buffer_bytes": buffers.nbytes,
+            "wide_bytes": sum(p.numel() for p in ddp.parameters()) * accum.itemsize}
 
 
 if __name__ == "__main__":

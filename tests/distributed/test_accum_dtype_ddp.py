@@ -28,5 +28,6 @@ def test_bf16_ddp_model_with_float32_sums_keeps_the_ranks_equal_and_matches_one_
         assert torch.equal(a, b)
     for r in both:
         assert r["steps"] == steps
+        assert r["buffer_bytes"] == r["wide_bytes"]  # one float32 copy of the gradients per rank
         for got, want in zip(r["params"], r["ref"], strict=True):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
