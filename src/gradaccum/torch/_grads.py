@@ -10,12 +10,24 @@ from torch.nn.utils import get_total_norm
 
 from gradaccum.core.window import is_one
 
-__all__ = ["grads_of", "group_by_device", "scale_and_clip_", "scale_grads_"]
+__all__ = ["grads_of", "grads_used_anywhere", "group_by_device", "scale_and_clip_", "scale_grads_"]
 
 
 def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The ``.grad`` of every parameter that has one, in parameter order."""
     return [p.grad for p in params if p.grad is not None]
+
+
+def grads_used_anywhere(params: Iterable[torch.Tensor], anyone: Iterable[bool]) -> list[torch.Tensor]:
+    """The ``.grad`` of every parameter some rank used (``anyone``), a zero gradient where this
+    rank has none: what it contributes to an average over ranks, as DDP does."""
+    grads = []
+    for p, used in zip(params, anyone, strict=False):
+        if used:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    return grads
 
 
 def group_by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

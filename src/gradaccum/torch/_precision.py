@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from gradaccum.torch._accum_buffers import WIDE_DTYPES, AccumBuffers
-from gradaccum.torch._grads import grads_of, group_by_device
+from gradaccum.torch._grads import grads_of, grads_used_anywhere, group_by_device
 
 __all__ = ["Precision", "active_scaler", "scaler_found_inf", "unscale_wide_"]
 
@@ -158,12 +158,7 @@ class Precision:
         wide = self.buffers.all_buffers()
         flags = [p.grad is not None for p in native] + self.buffers.filled()
         anyone = [bool(v) for v in sync.max_over_ranks([int(f) for f in flags])]
-        tensors = []
-        for p, used in zip(native, anyone, strict=False):
-            if used:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                tensors.append(p.grad)
+        tensors = grads_used_anywhere(native, anyone)
         for i, used in enumerate(anyone[len(native):]):
             if used:
                 tensors.append(self.buffers.fill_zero(i) if not flags[len(native) + i] else wide[i])

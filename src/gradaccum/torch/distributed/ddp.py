@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch.distributed.base import SyncMode
 from gradaccum.torch.distributed.collectives import RankGroups
 
@@ -54,10 +55,4 @@ class DDPSync(RankGroups):
         used = self.agree_on_length(micro_steps, [p.grad is not None for p in trainable])
         if used is None:
             return
-        grads = []
-        for p, anyone in zip(trainable, used, strict=True):
-            if anyone:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        self.average_(grads)
+        self.average_(grads_used_anywhere(trainable, used))
