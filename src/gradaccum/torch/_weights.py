@@ -100,7 +100,12 @@ def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -
     elif not isinstance(scale, torch.Tensor):
         if not isinstance(n, torch.Tensor):
             return torch.full(loss.shape, (1 if summed else n) / scale, dtype=loss.dtype, device=loss.device)
-        seed = torch.div(n, scale)  # a tensor count against a Python total (counts changed kind)
+        # A tensor count against a Python total (the window began with a Python count): the
+        # weight in the wide dtype, rounded once to the loss's, as the Python path does.
+        if summed:
+            return torch.full(loss.shape, 1 / scale, dtype=loss.dtype, device=loss.device)
+        wide = n.to(loss.device, wide_dtype(loss.device, n.dtype))
+        seed = torch.div(wide, scale).to(loss.dtype)
     else:
         seed = scale.reciprocal() if summed else n / scale
         if seed.dtype != loss.dtype:

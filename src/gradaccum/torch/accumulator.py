@@ -187,7 +187,7 @@ class Accumulator(WindowHooks):
         check_loss(loss)
         summed = reduction == "sum"
         window = self._window
-        term, scale = (n, window.scale) if window.micro_step else self._first(window, n)
+        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         nxt = window.advance(term, scale=scale, summed=summed,
                              losses=((loss.detach(), 1 if n is None or summed else n),))
         if not isinstance(n, torch.Tensor):
@@ -223,7 +223,7 @@ class Accumulator(WindowHooks):
         n = check_items(n_items, reduction)
         summed = reduction == "sum"
         window = self._window
-        term, scale = (n, window.scale) if window.micro_step else self._first(window, n)
+        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
 
@@ -306,6 +306,16 @@ class Accumulator(WindowHooks):
         if window.basis is None and self._sync.world_size > 1:
             count = self._sync.agree_count(count)
         return term, exact_total(count, window.size)
+
+    @staticmethod
+    def _later(window: Window, n: Any) -> tuple[Any, Any]:
+        """For a later micro-batch: ``n`` as a term of the item total and the window's ``P``. A
+        tensor count joining a Python total (``len(batch)`` then ``mask.sum()``) is added as a
+        wide copy, as a first tensor count is: the total must not take the count's integer dtype
+        (rounded to float32 when divided by) or its narrow float dtype."""
+        if isinstance(n, torch.Tensor) and not isinstance(window.items, torch.Tensor):
+            return wide_count(n), window.scale
+        return n, window.scale
 
     def _commit(self, window: Window) -> bool:
         self._window = window
