@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
+from gradaccum.core.terms import TermSlot
 from gradaccum.core.validate import check_nonneg_int, check_positive_int
 from gradaccum.core.window import Window
 
@@ -130,7 +131,37 @@ def window_from_record(w: Any) -> Window:
     basis = w.get("basis")
     if isinstance(basis, (bool, str)) or (isinstance(basis, Real) and not nonneg_finite(basis)):
         raise ValueError(f"state['window']['basis'] must be None or a finite number >= 0, got {basis!r}")
-    return Window(size, micro, weighting, items, scale, summed, basis)
+    return Window(size, micro, weighting, items, scale, summed, basis, terms=_terms_from_record(w, micro))
+
+
+def _terms_from_record(w: Any, micro: int) -> tuple[TermSlot, ...]:
+    """The saved ``mb.term`` slots (none in a state saved before they were recorded)."""
+    saved = w.get("terms", ())
+    if not isinstance(saved, (list, tuple)):
+        raise TypeError(f"state['window']['terms'] must be a list, got {type(saved).__name__}")
+    if saved and w["weighting"] != "mean":
+        raise ValueError("state['window']['terms'] belong to a window without n_items, this one has "
+                         f"weighting={w['weighting']!r}")
+    slots = []
+    for i, slot in enumerate(saved):
+        name = f"state['window']['terms'][{i}]"
+        if not isinstance(slot, (list, tuple)) or len(slot) != 4:
+            raise TypeError(f"{name} must be [total, items, stray, blocks], got {slot!r}")
+        total, items, stray, blocks = slot
+        for part, value, optional in (("total", total, False), ("items", items, True),
+                                      ("stray", stray, False)):
+            if value is None and optional:
+                continue
+            if isinstance(value, (bool, str)) or value is None or (
+                    isinstance(value, Real) and not nonneg_finite(value)):
+                raise ValueError(f"{name} {part} must be a finite number >= 0, got {value!r}")
+        if isinstance(total, Real) and float(total) <= 0:
+            raise ValueError(f"{name} total must be > 0, got {total!r}")
+        check_positive_int(f"{name} blocks", blocks)
+        if blocks > micro:
+            raise ValueError(f"{name} counts {blocks} blocks in a window of {micro} micro-batch(es)")
+        slots.append(TermSlot(total, items, stray, blocks))
+    return tuple(slots)
 
 
 def _check_signature(saved: Any, ours: Sequence[Any]) -> None:

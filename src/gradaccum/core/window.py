@@ -85,6 +85,8 @@ class Window(NamedTuple):
             previous window; ``None`` before the first item-weighted window).
         losses: ``(loss, weight)`` for each backward: the window's loss is
             ``sum(loss * weight) / denominator`` (:meth:`loss_denominator`).
+        terms: the record of the window's terms of their own total (``mb.term``), one
+            :class:`gradaccum.core.terms.TermSlot` per slot; a window holding one runs full.
 
     Example:
         >>> w = Window.open(2)
@@ -105,6 +107,7 @@ class Window(NamedTuple):
     summed: bool = False
     basis: Any = None
     losses: tuple[tuple[Any, Any], ...] = ()
+    terms: tuple[Any, ...] = ()
 
     @classmethod
     def open(cls, size: int, basis: Any = None) -> Window:
@@ -185,7 +188,7 @@ class Window(NamedTuple):
         # A plain constructor call (no validation, no _replace): this runs on every micro-step.
         return Window(self.size, self.micro_step + 1, weighting, items,
                       self.scale if self.micro_step else scale, self.summed or summed, self.basis,
-                      self.losses + losses)
+                      self.losses + losses, self.terms)
 
     def grad_factor(self, items: Any = None) -> Any:
         """Factor that turns the accumulated gradient into the window's gradient.

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.core.terms import check_term_totals, term_sums
 from gradaccum.core.window import Window
 from gradaccum.torch._grads import scale_and_clip_
 from gradaccum.torch._precision import Precision
@@ -48,15 +49,19 @@ def step_window(window: Window, sync: GradSync, precision: Precision, clip_norm:
 
     Raises:
         RuntimeError: under DDP/FSDP2, no forward ran through the wrapped model this window.
+        ValueError: a term's ``total=`` is not its counts' sum over the window and the ranks.
         Whatever the scaler or the optimizer raises.
     """
     sync.check_forward()
     items = window.items if window.weighting == "items" else None
+    sums = term_sums(window.terms)
     if sync.world_size > 1:
-        loss_sum, items = sync.reduce_window(weighted_sum(window.losses), items)
+        loss_sum, items, sums = sync.reduce_window(weighted_sum(window.losses), items, sums)
         loss = WindowLoss(((loss_sum, 1),), window.loss_denominator(items))
     else:
         loss = WindowLoss(window.losses, window.loss_denominator())
+    if window.terms:  # every rank holds the same sums: every rank raises, or none
+        check_term_totals(window.terms, sums, sync.world_size)
     basis = window.next_basis(items) if window.scale is not None or precision.overflow_prone else None
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
     if window.summed and not bool(window.items > 0 if items is None else items > 0):

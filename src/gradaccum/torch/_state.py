@@ -41,7 +41,9 @@ def pack_state(window: Window, steps: Any, counters: dict[str, int], window_loss
         "steps": steps,
         "window": {"size": window.size, "micro_step": window.micro_step, "weighting": window.weighting,
                    "items": clone_scalar(window.items), "scale": clone_scalar(window.scale),
-                   "summed": window.summed, "basis": clone_scalar(window.basis)},
+                   "summed": window.summed, "basis": clone_scalar(window.basis),
+                   "terms": [[clone_scalar(t.total), clone_scalar(t.items), clone_scalar(t.stray), t.blocks]
+                             for t in window.terms]},
         **counters,
         "loss_sum": clone_scalar(weighted_sum(window.losses)),
         "window_loss": clone_scalar(window_loss),
@@ -78,8 +80,13 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
     """
     window = check_state_record(state, steps, param_signature(params))
     saved = state["window"]
+    terms = [(f"state['window']['terms'][{i}] {part}", value, True)
+             for i, slot in enumerate(window.terms)
+             for part, value in (("total", slot.total), ("items", slot.items), ("stray", slot.stray))]
+    _check_scale(saved.get("scale"))
     for name, value, count in (("state['window']['items']", saved["items"], True),
                                ("state['window']['scale']", saved.get("scale"), True),
+                               *terms,
                                ("state['window']['basis']", saved.get("basis"), True),
                                ("state['most_items']", state.get("most_items"), True),
                                ("state['loss_sum']", state.get("loss_sum"), False),
@@ -89,6 +96,14 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
         if g is not None:
             _check_grad(f"state['grads'][{i}]", p, g)
     return window
+
+
+def _check_scale(scale: Any) -> None:
+    """A provisional total divides every gradient at the boundary: it must be > 0 (a number's
+    range is checked by the core)."""
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta and \
+            scale.layout == torch.strided and not scale.dtype.is_complex and not float(scale) > 0:
+        raise ValueError(f"state['window']['scale'] must be > 0, got {float(scale)}")
 
 
 def _check_scalar(name: str, value: Any, count: bool) -> None:

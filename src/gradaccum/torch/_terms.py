@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from gradaccum.torch._validate import check_items
-from gradaccum.torch._weights import NO_FLOAT64
+from gradaccum.torch._weights import NO_FLOAT64, wide_count
 
-__all__ = ["check_total", "term_factor"]
+__all__ = ["check_total", "term_count", "term_factor"]
 
 
 def check_total(total: Any) -> Any:
@@ -96,3 +96,9 @@ def term_factor(n_items: Any, total: Any, reduction: Any, block_items: Any, worl
     device = t.device if isinstance(t, torch.Tensor) else torch.as_tensor(count).device
     wide = torch.float32 if device.type in NO_FLOAT64 else torch.float64
     return torch.as_tensor(count, dtype=wide, device=device) * (world_size * size) / t
+
+
+def term_count(value: Any) -> Any:
+    """A term's count or total as the window records it: a number as it is, a tensor as a wide
+    copy (the caller's may change later; counts of several kinds add up in float64)."""
+    return wide_count(value.detach()) if isinstance(value, torch.Tensor) else value

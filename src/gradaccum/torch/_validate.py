@@ -107,8 +107,11 @@ def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
         if n.numel() != 1:
             raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
         n = n.reshape(())
+    if n.is_meta or n.layout != torch.strided:
+        raise ValueError(f"n_items must be a dense tensor with a value, got a {n.layout} tensor on "
+                         f"{n.device}")
     if n.is_cpu:
-        _check_value(float(n.tolist()), summed)  # type: ignore[arg-type]
+        _check_value(n.tolist(), summed)  # type: ignore[arg-type]  # an int stays exact
     # No copy: the window's total starts as a wide copy (gradaccum.torch._weights).
     return n.detach() if n.requires_grad else n
 

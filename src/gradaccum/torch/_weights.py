@@ -58,16 +58,18 @@ def exact_total(count: Any, size: int) -> Any:
     """The provisional total of :func:`gradaccum.core.window.provisional_total` for a window of
     ``size``; a tensor ``count`` gives a power of two within ``(size * count, 2 * size * count]``
     (1 for a count of 0), so that every ``n_i / P`` is exact in the loss's format (module
-    docstring). A float32 tensor on every device: ``P`` only needs its exponent.
+    docstring). In the wide dtype (:func:`wide_dtype`): a window's total may be a Python number
+    (its counts changed kind), and the boundary's ``P / total`` and each seed ``n_i / P`` are then
+    computed in float64, rounded once into the loss's format as the Python path rounds them.
 
     Example:
         >>> exact_total(3, 4), exact_total(torch.tensor(3), 4)
-        (12, tensor(16.))
+        (12, tensor(16., dtype=torch.float64))
     """
     if not isinstance(count, torch.Tensor):
         return provisional_total(count, size)
     _, exponent = torch.frexp(count * float(size))  # count * size = m * 2**e, m in [0.5, 1)
-    return torch.pow(2.0, exponent)
+    return torch.pow(2.0, exponent).to(wide_dtype(count.device, torch.float32))
 
 
 def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -> torch.Tensor | None:
@@ -106,8 +108,8 @@ def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -
             return torch.full(loss.shape, 1 / scale, dtype=loss.dtype, device=loss.device)
         wide = n.to(loss.device, wide_dtype(loss.device, n.dtype))
         seed = torch.div(wide, scale).to(loss.dtype)
-    else:
+    else:  # a wide P: the seed is computed wide, and autograd's engine casts it once
         seed = scale.reciprocal() if summed else n / scale
-        if seed.dtype != loss.dtype:
-            seed = seed.to(loss.dtype)
+        if seed.device != loss.device:
+            seed = seed.to(loss.device, non_blocking=True)
     return seed if seed.shape == loss.shape else seed.reshape(loss.shape)

@@ -11,6 +11,7 @@ import torch
 
 from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
+from gradaccum.core.terms import add_terms
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
@@ -19,7 +20,7 @@ from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
-from gradaccum.torch._terms import term_factor
+from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -123,7 +124,6 @@ class Accumulator(WindowHooks):
         self.grad_norm: torch.Tensor | None = None
         self._last_loss: WindowLoss | None = None
         self._warned_no_grad = False
-        self._terms_fed = False  # the window holds a term of its own total (mb.term)
         self._holders = Holders(self, params, _open_steps)
         self._open_window(None)
 
@@ -231,14 +231,17 @@ class Accumulator(WindowHooks):
             self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
             return loss.detach(), 1 if n is None or summed else n
 
+        fed: list[tuple[Any, Any]] = []  # (n_items, total) of each term, in call order
+
         def weigh(n_term: Any, total: Any, term_reduction: Any) -> Any:
             factor = term_factor(n_term, total, term_reduction, n, self._sync.world_size, pending.size)
-            self._terms_fed = True
+            fed.append((term_count(n_term), term_count(total)))
             return factor
 
         with micro_batch_block(run, weigh) as mb:
             yield mb
-        mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts)))
+        mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts),
+                                                   terms=add_terms(pending.terms, fed)))
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -248,7 +251,7 @@ class Accumulator(WindowHooks):
             ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
                 every rank, before anything changes).
         """
-        if self._terms_fed and not self._window.complete:
+        if self._window.terms and not self._window.complete:
             raise ValueError(
                 f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
                 "term with its own total (mb.term(..., total=)): that total was the full "
@@ -371,7 +374,6 @@ class Accumulator(WindowHooks):
         window raise, e.g. on a bad schedule value, no micro-batch is applied twice)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
-        self._terms_fed = False
         self._window = Window(self._window.size, basis=basis)
 
     def state_dict(self) -> dict[str, Any]:
@@ -396,6 +398,7 @@ class Accumulator(WindowHooks):
                 ``steps`` or other parameters; nothing is changed then.
         """
         window = check_state(state, self.schedule.describe(), self._params)
+        self._check_size(window.size, state)
         self._precision.check_state(state.get("accum"))
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
@@ -405,6 +408,16 @@ class Accumulator(WindowHooks):
         self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
+
+    def _check_size(self, size: int, state: dict[str, Any]) -> None:
+        """A saved window's size is the one ``steps`` gives at the saved count (else the window
+        would never complete, or complete early)."""
+        by_epoch = self.schedule.by == "epoch"
+        count = state["epoch" if by_epoch else "optimizer_steps"]
+        want = self.schedule(count)
+        if size != want:
+            raise ValueError(f"state['window']['size'] is {size}, but steps={self.schedule.describe()!r} "
+                             f"gives {want} at {'epoch' if by_epoch else 'optimizer step'} {count}")
 
     def __repr__(self) -> str:
         steps, micro, done = self.schedule.describe(), self.micro_step, self.optimizer_steps

@@ -22,7 +22,8 @@ restored, and once more before the window's last micro-batch (``True``: that bac
 provisional total); :meth:`GradSync.sync_partial` from ``flush()`` on every rank (a partial
 window's gradients were never reduced); :meth:`GradSync.check_forward` and
 :meth:`GradSync.reduce_window` at every boundary (one 16-byte collective that averages the
-window's loss sum and item total over ranks, as the gradients are averaged).
+window's loss sum and item total over ranks, as the gradients are averaged, and sums the counts
+and totals of the window's ``mb.term`` slots).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class GradSync(Protocol):
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Reduce a flushed window's gradients now; called on every rank, even with 0 micro-steps."""
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
-        """Return ``(loss_sum, items)`` averaged over ranks; ``None`` entries stay ``None``."""
+    def reduce_window(self, loss_sum: Any, items: Any,
+                      sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
+        """Return ``(loss_sum, items)`` averaged over ranks (``None`` entries stay ``None``) and
+        ``sums`` summed over ranks, in one collective."""
 
     def agree_count(self, count: Any) -> Any:
         """The largest ``count`` of any rank (a number or 0-dim tensor), with no host read."""
@@ -101,9 +104,10 @@ class LocalSync:
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Nothing to synchronize."""
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
+    def reduce_window(self, loss_sum: Any, items: Any,
+                      sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
         """Return the values unchanged."""
-        return loss_sum, items
+        return loss_sum, items, list(sums)
 
     def agree_count(self, count: Any) -> Any:
         """One rank: the count itself."""

@@ -40,23 +40,27 @@ class RankGroups:
         for group in self.groups:
             dist.all_reduce(tensor, op=op, group=group)
 
-    def reduce_window(self, loss_sum: Any, items: Any) -> tuple[Any, Any]:
-        """Average the loss sum and the item total over ranks in a single all-reduce.
+    def reduce_window(self, loss_sum: Any, items: Any,
+                      sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
+        """Average the loss sum and the item total over ranks, and sum ``sums`` (the window's
+        ``mb.term`` counts and totals), in a single all-reduce.
 
         Gradients are averaged over ranks (DDP and FSDP2 divide by the world size), so the
         averaged item total is the divisor that turns them into the global item-weighted mean.
         """
         present = [v for v in (loss_sum, items) if v is not None]
-        if not present:
-            return loss_sum, items
+        if not present and not sums:
+            return loss_sum, items, []
         dtype = wide_dtype(self.device, torch.float32)
-        vec = torch.stack([torch.as_tensor(v, device=self.device).reshape(()).to(dtype) for v in present])
+        vec = torch.stack([torch.as_tensor(v, device=self.device).reshape(()).to(dtype)
+                           for v in (*present, *sums)])
         self.all_reduce(vec)
-        out = iter((vec / self.world_size).unbind())
+        averaged = (vec[: len(present)] / self.world_size).unbind()
+        out = iter(averaged)
         loss = None if loss_sum is None else next(out)
         if isinstance(loss_sum, torch.Tensor) and loss is not None:
             loss = loss.to(loss_sum.dtype)
-        return loss, None if items is None else next(out)
+        return loss, None if items is None else next(out), list(vec[len(present):].unbind())
 
     def agree_count(self, count: Any) -> Any:
         """The largest ``count`` of any rank, as a tensor on the ranks' device (one MAX all-reduce
