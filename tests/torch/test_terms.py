@@ -203,7 +203,8 @@ def test_two_accumulators_over_one_model_raise_naming_both_before_the_step():
     assert f"id {id(acc_policy):#x}" in message and f"id {id(acc_entropy):#x}" in message
     assert "holds a partial window" in message and "mb.term" in message
     assert torch.equal(params_of(model), before)  # nothing stepped
-    assert acc_policy.optimizer_steps == 0 and acc_entropy.micro_step == 1
+    # Refused at the second accumulator's first micro-batch, before its backward ran.
+    assert acc_policy.micro_step == 1 and acc_entropy.micro_step == 0
 
 
 def test_accumulators_over_disjoint_parameters_or_an_empty_window_step_freely():
@@ -241,3 +242,33 @@ def test_a_dropped_accumulator_in_a_reference_cycle_holds_nothing():
     model.zero_grad(set_to_none=True)
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 1)
     assert acc.backward(model(x).sum())
+
+
+# --- the totals are checked against the window's counts ----------------------------------------
+
+@pytest.mark.parametrize("wrong", ["too small", "changes between micro-batches", "tensor too large"])
+def test_a_total_that_is_not_the_windows_count_raises_at_the_boundary_and_steps_nothing(wrong):
+    model = fresh()
+    data, sizes = batch(), [4, 4]
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 2)
+    before = params_of(model)
+    with pytest.raises(ValueError, match=r"mb\.term #0") as err:
+        for i, (x, targets, advantages, m) in enumerate(chunks(data, sizes)):
+            total = {"too small": 4, "changes between micro-batches": 8 + i,
+                     "tensor too large": torch.tensor(9.0)}[wrong]
+            policy, _, _ = per_token(model, x, targets, advantages)
+            with acc.micro_batch() as mb:
+                mb.backward(mb.term(((policy * m).sum(-1) / m.sum(-1)).mean(), len(x), total=total))
+    assert ("different totals" in str(err.value)) == (wrong == "changes between micro-batches")
+    assert torch.equal(params_of(model), before) and acc.optimizer_steps == 0
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())  # a fresh window
+
+
+def test_a_summed_term_without_counts_is_not_checked():
+    # The negative twin: with n_items=None (allowed for a summed term) there is nothing to compare.
+    model = fresh()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.5), 2)
+    for x in batch()[0].split(4):
+        with acc.micro_batch() as mb:
+            mb.backward(mb.term(model(x).pow(2).sum(), total=123, reduction="sum"))
+    assert acc.optimizer_steps == 1

@@ -187,6 +187,8 @@ class Accumulator(WindowHooks):
         check_loss(loss)
         summed = reduction == "sum"
         window = self._window
+        if not window.micro_step:
+            self._holders.check_first(self)
         term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         nxt = window.advance(term, scale=scale, summed=summed,
                              losses=((loss.detach(), 1 if n is None or summed else n),))
@@ -223,6 +225,8 @@ class Accumulator(WindowHooks):
         n = check_items(n_items, reduction)
         summed = reduction == "sum"
         window = self._window
+        if not window.micro_step:
+            self._holders.check_first(self)
         term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
@@ -265,6 +269,7 @@ class Accumulator(WindowHooks):
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
         basis = self._window.basis
+        self._holders.discard_others(self)
         self._sync.discard()
         self._clear(basis)
         self._open_window(basis)
@@ -333,7 +338,6 @@ class Accumulator(WindowHooks):
         """The boundary, as a transaction: the window is stepped, counted and cleared, and the
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
-        self._holders.check_boundary(self)
         try:
             out = step_window(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
@@ -400,6 +404,8 @@ class Accumulator(WindowHooks):
         window = check_state(state, self.schedule.describe(), self._params)
         self._check_size(window.size, state)
         self._precision.check_state(state.get("accum"))
+        if not window.empty:
+            self._holders.refuse_overlap(self, "load a partial window")
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
         for key in COUNTERS:
@@ -408,6 +414,14 @@ class Accumulator(WindowHooks):
         self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
+        self._holders.adopt()
+
+    def __del__(self) -> None:
+        # Dropped with a partial window: its gradients stay in .grad; the next accumulator over
+        # these parameters discards them with a warning (torch/_holders.py).
+        with suppress(Exception):
+            if self._window.micro_step:
+                self._holders.orphan(self._window.micro_step, self._window.size)
 
     def _check_size(self, size: int, state: dict[str, Any]) -> None:
         """A saved window's size is the one ``steps`` gives at the saved count (else the window
