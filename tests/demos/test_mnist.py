@@ -1,4 +1,4 @@
-"""The MNIST reader: shipped data loads; a missing, truncated or corrupt file names itself."""
+"""The MNIST reader: the checkout's copy loads; a missing, truncated or corrupt file names itself."""
 
 import gzip
 import re
@@ -10,7 +10,7 @@ import pytest
 from gradaccum.demos.mnist import FILES, default_data_dir, load_mnist, mnist_tensors
 
 
-def test_shipped_copy_loads_with_known_shapes():
+def test_the_checkout_copy_loads_with_known_shapes():
     images, labels = load_mnist("train")
     assert images.shape == (60000, 28, 28) and images.dtype == np.uint8
     assert labels.shape == (60000,) and set(np.unique(labels)) == set(range(10))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -59,19 +60,21 @@ SMOKE = Sizes(
 
 
 @functools.lru_cache(maxsize=4)
-def mnist_train(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n`` MNIST training images and labels (read once per size)."""
+def mnist_train(n: int, data_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` MNIST training images and labels (read once per size and folder;
+    ``data_dir``: as :func:`gradaccum.demos.mnist.load_mnist`'s)."""
     from gradaccum.demos.mnist import mnist_tensors
 
-    return mnist_tensors("train", limit=n)
+    return mnist_tensors("train", data_dir, limit=n)
 
 
 def micro_batches(model: str, micro_batch: int, count: int, device: torch.device,
-                  seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  seed: int = 0, data_dir: Path | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` micro-batches of inputs and labels for a demo model.
 
-    The MLP gets MNIST images (the shipped copy), the others random inputs of their shape and
-    random labels out of 10 classes: the cost of a step does not depend on the values.
+    The MLP gets MNIST images (from ``data_dir``, else the checkout's copy or the user's cache),
+    the others random inputs of their shape and random labels out of 10 classes: the cost of a
+    step does not depend on the values.
 
     Example:
         >>> [tuple(x.shape) for x, _ in micro_batches("mlp", 8, 2, torch.device("cpu"))]
@@ -79,7 +82,7 @@ def micro_batches(model: str, micro_batch: int, count: int, device: torch.device
     """
     n = micro_batch * count
     if model == "mlp":
-        x, y = mnist_train(n)
+        x, y = mnist_train(n, data_dir)
     else:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, *MODELS[model][1], generator=g)

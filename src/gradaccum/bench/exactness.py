@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ class ExactCase:
 
     name: str
     model: Callable[[], nn.Module]
-    data: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    data: Callable[[Path | None], tuple[torch.Tensor, torch.Tensor]]  # given the MNIST folder
     micro_batch: int
     steps: int
 
@@ -55,10 +56,10 @@ def _items(y: torch.Tensor) -> torch.Tensor:
     return (y != PAD).sum()
 
 
-def _mnist() -> tuple[torch.Tensor, torch.Tensor]:
+def _mnist(data_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
     from gradaccum.demos.mnist import mnist_tensors
 
-    x, y = mnist_tensors("train", limit=80)
+    x, y = mnist_tensors("train", data_dir, limit=80)
     return x.double(), y
 
 
@@ -67,7 +68,7 @@ def _tiny_lm() -> nn.Module:
     return nn.Sequential(nn.Embedding(32, 16), nn.Tanh(), nn.Linear(16, 32)).double()
 
 
-def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(_data_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (24, 12), generator=g)
     targets = torch.randint(0, 32, (24, 12), generator=g)
@@ -164,8 +165,9 @@ def max_param_difference(a: nn.Module, b: nn.Module) -> float:
                for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def run_exactness() -> dict[str, dict[str, float | None]]:
-    """Run every method on every case.
+def run_exactness(data_dir: Path | None = None) -> dict[str, dict[str, float | None]]:
+    """Run every method on every case (``data_dir``: where MNIST is, see
+    :func:`gradaccum.demos.mnist.load_mnist`).
 
     Returns:
         case -> method -> max |parameter difference| against the full batch (``None``: Accelerate
@@ -177,7 +179,7 @@ def run_exactness() -> dict[str, dict[str, float | None]]:
     """
     results: dict[str, dict[str, float | None]] = {}
     for case in CASES:
-        x, y = case.data()
+        x, y = case.data(data_dir)
         initial = case.model()
         reference = copy.deepcopy(initial)
         _reference(case, reference, x, y)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,15 +43,17 @@ def contenders() -> list[str]:
     return [*names, "accelerate"] if accelerate_available() else names
 
 
-def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -> OverheadResult:
-    """Measure one task: allocator memory of each contender, then interleaved timings.
+def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device,
+             data_dir: Path | None = None) -> OverheadResult:
+    """Measure one task: allocator memory of each contender, then interleaved timings
+    (``data_dir``: where MNIST is, for the MLP; see :func:`~gradaccum.bench.config.micro_batches`).
 
     Example:
         >>> from gradaccum.bench.config import SMOKE
         >>> r = run_task("mlp", 4, SMOKE, torch.device("cpu"))  # doctest: +SKIP
     """
     steps, names = sizes.steps, contenders()
-    batches = micro_batches(model, micro_batch, 2 * steps, device)
+    batches = micro_batches(model, micro_batch, 2 * steps, device, data_dir=data_dir)
     windows = [batches[:steps], batches[steps:]]
     memory = {name: window_memory(name, model, windows[0], device)[1] for name in names}
     loops = {name: build_loop(name, model, steps, device) for name in names}
@@ -72,13 +75,13 @@ def run_task(model: str, micro_batch: int, sizes: Sizes, device: torch.device) -
     return OverheadResult(model, micro_batch, steps, calls, timings, memory)
 
 
-def run_overhead(sizes: Sizes, device: torch.device,
-                 log: Callable[[str], None] = print) -> list[OverheadResult]:
+def run_overhead(sizes: Sizes, device: torch.device, log: Callable[[str], None] = print,
+                 data_dir: Path | None = None) -> list[OverheadResult]:
     """Section a (and c's timings): every task of ``sizes.overhead``."""
     results = []
     for model, micro_batch in sizes.overhead:
         log(f"  overhead: {model}, micro-batch {micro_batch} x {sizes.steps}")
-        result = run_task(model, micro_batch, sizes, device)
+        result = run_task(model, micro_batch, sizes, device, data_dir)
         for name in contenders()[1:]:
             log(f"    {name}: ratio {result.timings.ratio(name, BASELINE):.3f}, peak difference "
                 f"{result.memory[name].peak - result.memory[BASELINE].peak:+d} B")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,11 +45,12 @@ class ResidentRow:
         return self.seed.peak - self.gradaccum.peak
 
 
-def run_resident(sizes: Sizes, device: torch.device) -> list[ResidentRow]:
-    """Measure both loops on each model of ``sizes.seed_models``, N = ``sizes.steps``."""
+def run_resident(sizes: Sizes, device: torch.device, data_dir: Path | None = None) -> list[ResidentRow]:
+    """Measure both loops on each model of ``sizes.seed_models``, N = ``sizes.steps`` (``data_dir``:
+    where MNIST is, for the MLP)."""
     rows = []
     for model in sizes.seed_models:
-        batches = micro_batches(model, sizes.seed_micro_batch, sizes.steps, device)
+        batches = micro_batches(model, sizes.seed_micro_batch, sizes.steps, device, data_dir=data_dir)
         loop, seed = window_memory("seed", model, batches, device)
         _, ours = window_memory("gradaccum", model, batches, device)
         params = tensor_bytes([p for p in loop.model.parameters() if p.requires_grad])

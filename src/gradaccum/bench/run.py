@@ -26,7 +26,7 @@ FIGURES = {"overhead": "bench_overhead.png", "memory": "bench_memory.png",
 
 def run_bench(out: Path, *, smoke: bool = False, device: str = "cpu", threads: int | None = None,
               malloc_compare: bool = True, command: str = "gradaccum bench",
-              log: Callable[[str], None] = print) -> Path:
+              log: Callable[[str], None] = print, data_dir: Path | None = None) -> Path:
     """Measure overhead, memory, exactness and the seed's buffers; write the report into ``out``.
 
     Args:
@@ -37,6 +37,7 @@ def run_bench(out: Path, *, smoke: bool = False, device: str = "cpu", threads: i
         malloc_compare: also time the memory sweep with tuned glibc malloc settings (CPU).
         command: the command line the report says generated it.
         log: progress lines.
+        data_dir: the MNIST folder (default: the checkout's copy, else the user's cache).
 
     Returns:
         The report's path.
@@ -49,13 +50,13 @@ def run_bench(out: Path, *, smoke: bool = False, device: str = "cpu", threads: i
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(out, smoke, torch.device(device), malloc_compare, command, log)
+        return _run(out, smoke, torch.device(device), malloc_compare, command, log, data_dir)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(out: Path, smoke: bool, dev: torch.device, malloc_compare: bool, command: str,
-         log: Callable[[str], None]) -> Path:
+         log: Callable[[str], None], data_dir: Path | None) -> Path:
     sizes = SMOKE if smoke else FULL
     machine = {**describe_machine(), "device": str(dev)}
     start = time.perf_counter()
@@ -64,13 +65,13 @@ def _run(out: Path, smoke: bool, dev: torch.device, malloc_compare: bool, comman
         log(f"gradaccum bench: {title} ({time.perf_counter() - start:.0f} s so far)")
 
     section("overhead against the hand-written loop")
-    overhead = run_overhead(sizes, dev, log)
+    overhead = run_overhead(sizes, dev, log, data_dir)
     section("memory against micro-batch")
     sweep = run_sweep(sizes, dev, malloc_compare)
     section("exactness")
-    exactness = run_exactness()
+    exactness = run_exactness(data_dir)
     section("the seed's accumulator")
-    resident = run_resident(sizes, dev)
+    resident = run_resident(sizes, dev, data_dir)
     section("report")
     out.mkdir(parents=True, exist_ok=True)
     plot_overhead(overhead, out / FIGURES["overhead"], TIME_TARGET)

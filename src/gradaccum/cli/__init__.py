@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "info": "gradaccum.cli.info",
     "check": "gradaccum.cli.check",
     "plan": "gradaccum.cli.plan",
+    "data": "gradaccum.cli.data",
 }
 
 

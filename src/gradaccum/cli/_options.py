@@ -21,8 +21,9 @@ from pathlib import Path
 from gradaccum.cli._errors import UsageError, one_line
 
 __all__ = ["MAX_COUNT", "MAX_EPOCHS", "MAX_LR", "MAX_SEED", "MAX_THREADS", "MAX_TOLERANCE",
-           "check_count", "check_device", "epochs_int", "finite_float", "nonneg_int", "out_dir",
-           "positive_float", "positive_int", "seed_int", "threads_int", "writable_dir"]
+           "add_data_argument", "check_count", "check_device", "epochs_int", "finite_float",
+           "mnist_dir", "nonneg_int", "out_dir", "positive_float", "positive_int", "seed_int",
+           "threads_int", "writable_dir"]
 
 MAX_COUNT = 2**24  # items per batch, micro-batches per window, probe sizes, limits, intervals
 MAX_EPOCHS = 10_000
@@ -171,6 +172,30 @@ def check_device(text: str, option: str = "--device") -> str:
     if device.index is not None and device.index >= count:
         raise UsageError(f"{option} {text}: this machine has {count} {device.type} device(s)")
     return text
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> argparse.Action:
+    """Add ``--data DIR`` (also spelled ``--data-dir``, its 0.2.0 name) to a command that reads
+    MNIST."""
+    return parser.add_argument(
+        "--data", "--data-dir", dest="data_dir", type=Path, default=None, metavar="DIR",
+        help="a folder with the four MNIST .gz files (default: the checkout's data/mnist, else "
+             "the cache that `gradaccum data mnist` fills)")
+
+
+def mnist_dir(data_dir: Path | None) -> Path:
+    """The MNIST folder a command will read, found before anything runs: ``--data DIR``, else
+    the checkout's copy, else the user's cache (:func:`gradaccum.demos.data_dirs.find_mnist`).
+
+    Raises:
+        UsageError: ``--data DIR`` lacks a file, or no copy is found; one line saying how to get it.
+    """
+    from gradaccum.demos.data_dirs import MnistNotFoundError, find_mnist
+
+    try:
+        return find_mnist(data_dir)
+    except MnistNotFoundError as err:
+        raise UsageError(str(err)) from None
 
 
 def writable_dir(path: Path, option: str = "--out") -> Path:

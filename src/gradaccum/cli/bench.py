@@ -6,7 +6,14 @@ import argparse
 import shlex
 from pathlib import Path
 
-from gradaccum.cli._options import check_device, out_dir, threads_int, writable_dir
+from gradaccum.cli._options import (
+    add_data_argument,
+    check_device,
+    mnist_dir,
+    out_dir,
+    threads_int,
+    writable_dir,
+)
 
 __all__ = ["add_parser"]
 
@@ -20,16 +27,18 @@ def _command(args: argparse.Namespace) -> str:
     words += ["--device", args.device] if args.device != "cpu" else []
     words += ["--threads", str(args.threads)] if args.threads is not None else []
     words += [] if args.malloc_compare else ["--no-malloc-compare"]
+    words += ["--data", str(args.data_dir)] if args.data_dir is not None else []
     return shlex.join(words)
 
 
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.bench.run import run_bench
 
+    data = mnist_dir(args.data_dir)  # the MLP's tasks read MNIST
     check_device(args.device)
     writable_dir(args.out)
     path = run_bench(args.out, smoke=args.smoke, device=args.device, threads=args.threads,
-                     malloc_compare=args.malloc_compare, command=_command(args))
+                     malloc_compare=args.malloc_compare, command=_command(args), data_dir=data)
     print(f"Wrote {path}")
     return 0
 
@@ -50,4 +59,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--malloc-compare", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the memory sweep with MALLOC_MMAP_MAX_=0 and a large "
                         "MALLOC_TRIM_THRESHOLD_, in a child process (CPU; default: on)")
+    add_data_argument(p)
     p.set_defaults(func=_run)

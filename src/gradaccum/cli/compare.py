@@ -20,7 +20,7 @@ from types import FrameType
 from typing import Any
 
 from gradaccum.cli._errors import CommandError, UsageError
-from gradaccum.cli._options import check_count, check_device, out_dir, writable_dir
+from gradaccum.cli._options import check_count, check_device, mnist_dir, out_dir, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
 from gradaccum.demos.interrupt import Interrupted, handling
 from gradaccum.demos.outputs import CHECKPOINT, atomic_write
@@ -150,6 +150,7 @@ def _clear_previous(out: Path) -> None:
 def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.extras import require_demo_extra
 
+    mnist_dir(args.data_dir)  # every run reads MNIST: without it, one line before any run starts
     require_demo_extra()
     try:
         settings = parse_settings(args.settings)

@@ -19,9 +19,11 @@ from typing import Any
 
 from gradaccum.cli._errors import UsageError
 from gradaccum.cli._options import (
+    add_data_argument,
     check_count,
     check_device,
     epochs_int,
+    mnist_dir,
     out_dir,
     positive_float,
     positive_int,
@@ -69,8 +71,7 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> list[argparse.A
     add("--seed", type=seed_int, default=0, help="weights and data order")
     add("--end-of-epoch", default="flush", choices=["flush", "carry"],
         help="flush the partial window, or carry it into the next epoch")
-    add("--data-dir", type=Path, default=None,
-        help="a folder with the four MNIST .gz files (default: the shipped copy)")
+    actions.append(add_data_argument(parser))
     add("--limit-train", type=positive_int, default=None, help="use the first N training items")
     add("--limit-test", type=positive_int, default=None, help="use the first N test items")
     add("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -209,6 +210,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradaccum.demos.distributed import init_from_env
     from gradaccum.demos.extras import require_demo_extra
 
+    mnist_dir(args.data_dir)  # without data, say how to get it before anything else
     require_demo_extra()
     check_device(args.device)
     if args.backend == "mindspore":

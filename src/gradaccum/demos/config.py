@@ -41,7 +41,8 @@ class TrainConfig:
         seed: seeds the weights and the data order (same seed, same order for any micro x steps).
         end_of_epoch: ``"flush"`` the partial window at the end of each epoch, or ``"carry"`` it
             into the next epoch (the tutorial's counter does this).
-        data_dir: another copy of the four MNIST files (default: the shipped copy).
+        data_dir: a folder with the four MNIST files (default: the checkout's data/mnist, else
+            the user's cache; see :mod:`gradaccum.demos.data_dirs`).
         limit_train, limit_test: use only the first items (tests, smoke runs).
         precision: ``"fp32"`` or ``"bf16"`` (autocast).
         backend: ``"torch"`` or ``"mindspore"``.

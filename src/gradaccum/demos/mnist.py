@@ -1,7 +1,8 @@
 """A small reader of MNIST's IDX files (gzip), checked against their known md5 sums.
 
-The four files ship inside the package (``gradaccum/demos/data/mnist``, CC BY-SA 3.0, see the
-README beside them), so the demo runs offline; ``data_dir`` points at another copy.
+The wheel carries no data: the four files are found in a folder the user names, the checkout's
+``data/mnist`` (CC BY-SA 3.0, see the README beside them) or the user's cache, which
+``gradaccum data mnist`` fills (:mod:`gradaccum.demos.data_dirs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from gradaccum.demos.data_dirs import FILES, find_mnist
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,18 +27,15 @@ __all__ = ["FILES", "MNIST_MEAN", "MNIST_STD", "default_data_dir", "load_mnist",
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
-# split -> ((images file, md5 of its gunzipped bytes), (labels file, md5))
-FILES = {
-    "train": (("train-images-idx3-ubyte.gz", "6bbc9ace898e44ae57da46a324031adb"),
-              ("train-labels-idx1-ubyte.gz", "a25bea736e30d166cdddb491f175f624")),
-    "test": (("t10k-images-idx3-ubyte.gz", "2646ac647ad5339dbf082846283269ea"),
-             ("t10k-labels-idx1-ubyte.gz", "27ae3e4e09519cfbb04c329615203637")),
-}
-
 
 def default_data_dir() -> Path:
-    """The copy shipped with the package."""
-    return Path(__file__).parent / "data" / "mnist"
+    """The folder the demo reads when given none: the checkout's ``data/mnist``, else the user's
+    cache (:func:`gradaccum.demos.data_dirs.find_mnist`).
+
+    Raises:
+        MnistNotFoundError: neither holds the four files; the message says how to get them.
+    """
+    return find_mnist()
 
 
 def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
@@ -55,7 +55,7 @@ def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
     """
     if not path.is_file():
         raise FileNotFoundError(f"MNIST file {path.name} not found in {path.parent} "
-                                "(use --data-dir to point at a copy)")
+                                "(use --data DIR to point at a copy)")
     try:
         raw = gzip.decompress(path.read_bytes())
     except (OSError, EOFError, zlib.error) as err:
@@ -80,14 +80,16 @@ def load_mnist(
 
     Args:
         split: ``"train"`` (60,000 images) or ``"test"`` (10,000).
-        data_dir: a folder holding the four ``.gz`` files; default: the shipped copy.
+        data_dir: a folder holding the four ``.gz`` files; default: the checkout's copy, else
+            the user's cache (:func:`gradaccum.demos.data_dirs.find_mnist`).
 
     Returns:
         ``(images [n, 28, 28], labels [n])``.
 
     Raises:
         ValueError: an unknown split, or a bad file (see :func:`read_idx`).
-        FileNotFoundError: a missing file.
+        FileNotFoundError: a missing file; :class:`~gradaccum.demos.data_dirs.MnistNotFoundError`
+            when no folder holds the files, saying how to get them.
 
     Example:
         >>> images, labels = load_mnist("test")
@@ -96,7 +98,7 @@ def load_mnist(
     """
     if split not in FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    folder = Path(data_dir) if data_dir is not None else find_mnist()
     (img_name, img_md5), (lbl_name, lbl_md5) = FILES[split]
     images = read_idx(folder / img_name, img_md5)
     labels = read_idx(folder / lbl_name, lbl_md5)
