@@ -76,7 +76,9 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
         raise ValueError(f"state has format version {state['version']!r}, expected {FORMAT_VERSION}")
     if state["steps"] != steps:
         raise ValueError(
-            f"state was saved with steps={state['steps']!r}, this accumulator has steps={steps!r}")
+            f"state was saved with steps={state['steps']!r}, this accumulator has steps={steps!r}: "
+            f"build the Accumulator with steps={state['steps']!r} to resume it (to change N from "
+            "then on, give a schedule, e.g. steps={0: old, K: new}, in both runs)")
     _check_signature(state["param_signature"], signature)
     grads = state["grads"]
     if not isinstance(grads, (list, tuple)):

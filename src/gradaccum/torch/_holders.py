@@ -114,7 +114,8 @@ class Holders:
     def adopt(self) -> None:
         """Forget the marks on these parameters (``load_state_dict`` sets the gradients itself)."""
         for p in self._params:
-            _ORPHANED.pop(p, None)
+            if p in _ORPHANED:
+                del _ORPHANED[p]
 
     def _discard_orphans(self) -> None:
         marks = [(p, _ORPHANED[p]) for p in self._params if p in _ORPHANED]

@@ -45,7 +45,9 @@ def check_loss(loss: Any) -> None:
     """
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
-            raise ValueError(f"loss must be a scalar (the micro-batch's loss), got shape {tuple(loss.shape)}")
+            raise ValueError(f"loss must be a scalar (the micro-batch's loss), got shape "
+                             f"{tuple(loss.shape)}: reduce it first, loss.mean() (or loss.sum() with "
+                             "n_items and reduction='sum')")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: was it computed under torch.no_grad(), "
                              "or detached?")
@@ -56,8 +58,17 @@ def check_loss(loss: Any) -> None:
         raise TypeError(f"loss must be a scalar tensor, got a {kind} (a model output): pass its "
                         "loss, acc.backward(outputs.loss)")
     if isinstance(loss, (tuple, list)):
+        if loss and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in loss):
+            raise TypeError(f"loss must be a scalar tensor, got a {kind} of {len(loss)} losses: sum them, "
+                            "acc.backward(loss_a + loss_b), or feed each from its own forward in one "
+                            "micro-batch: with acc.micro_batch() as mb: mb.backward(loss_a); "
+                            "mb.backward(loss_b)")
         raise TypeError(f"loss must be a scalar tensor, got a {kind} of {len(loss)}: pass the loss "
                         "element, e.g. logits, loss = model(x, y); acc.backward(loss)")
+    if isinstance(loss, Real):
+        raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}: pass the "
+                        "loss tensor itself, not loss.item() (a Python number has no graph to "
+                        "backward through)")
     raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}")
 
 
@@ -102,7 +113,8 @@ def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
     # This runs on every micro-step of the language-model path: attribute reads only, and no
     # kernel (tolist reads a CPU value without one; a device value is not read at all).
     if n.dtype not in _REAL_DTYPES:
-        raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor")
+        fix = ": pass the count, mask.sum()" if n.dtype == torch.bool else ""
+        raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor{fix}")
     if n.ndim:
         if n.numel() != 1:
             raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
@@ -146,6 +158,16 @@ def _check_value(value: float, summed: bool) -> None:
                          "reduction='sum'")
 
 
+def _what(obj: Any) -> str:
+    """How an error names a wrong object: the model, its parameters, or the type."""
+    if isinstance(obj, torch.nn.Module):
+        return f"the model ({type(obj).__name__})"
+    if inspect.isgenerator(obj) or (isinstance(obj, (list, tuple)) and obj
+                                    and all(isinstance(p, torch.Tensor) for p in obj)):
+        return f"parameters (a {type(obj).__name__}, as model.parameters() gives)"
+    return type(obj).__name__
+
+
 def _required_args(obj: Any) -> list[str]:
     """The arguments ``obj.step`` cannot do without, read from its class (an instance's ``step``
     may be wrapped, as LR schedulers wrap the optimizer's)."""
@@ -166,7 +188,9 @@ def check_parts(optimizer: Any, model: Any, scheduler: Any, scaler: Any) -> None
         ValueError: a scheduler bound to another optimizer.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {_what(optimizer)}: build one over "
+                        "the model's parameters, e.g. Accumulator(torch.optim.SGD(model.parameters(), "
+                        "lr=0.1), steps=4)")
     if _required_args(optimizer):
         raise TypeError(f"optimizer {type(optimizer).__name__} needs a closure in step(closure), which "
                         "re-evaluates the loss: it cannot step once per accumulated window")
@@ -183,6 +207,8 @@ def check_parts(optimizer: Any, model: Any, scheduler: Any, scaler: Any) -> None
                 "if acc.backward(loss): scheduler.step(metric)")
         bound = getattr(scheduler, "optimizer", optimizer)
         if bound is not optimizer:
-            raise ValueError("scheduler is bound to another optimizer than the accumulator's")
+            raise ValueError("scheduler is bound to another optimizer than the accumulator's: build it "
+                             "over the optimizer you pass to the Accumulator (scheduler = "
+                             "StepLR(optimizer, ...); Accumulator(optimizer, steps, scheduler=scheduler))")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")

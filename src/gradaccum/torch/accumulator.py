@@ -15,6 +15,7 @@ from gradaccum.core.terms import add_terms
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
+from gradaccum.torch._guards import Guard
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
@@ -25,6 +26,7 @@ from gradaccum.torch._validate import (
     Items,
     Reduction,
     Scheduler,
+    _short,
     check_items,
     check_loss,
     check_parts,
@@ -92,7 +94,7 @@ class Accumulator(WindowHooks):
         self,
         optimizer: torch.optim.Optimizer,
         steps: StepsSpec | Schedule,
-        *,
+        *positional: Any,
         model: torch.nn.Module | None = None,
         clip_norm: float | None = None,
         scheduler: Scheduler | None = None,
@@ -101,6 +103,10 @@ class Accumulator(WindowHooks):
         skip_nonfinite: bool = False,
         sync: SyncMode = "window",
     ) -> None:
+        if positional:  # the seed tutorial's Accumulator(optimizer, accumulate_step, clip_norm)
+            raise TypeError(f"Accumulator takes optimizer and steps positionally, got {len(positional)} "
+                            f"more ({_short(positional[0])}): clip_norm, model, scheduler, scaler and the "
+                            "other options are keyword-only, e.g. Accumulator(optimizer, 4, clip_norm=1.0)")
         self.schedule: Schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
@@ -125,6 +131,7 @@ class Accumulator(WindowHooks):
         self._last_loss: WindowLoss | None = None
         self._warned_no_grad = False
         self._holders = Holders(self, params, _open_steps)
+        self._guard = Guard(self, optimizer, params)
         self._open_window(None)
 
     @property
@@ -187,14 +194,14 @@ class Accumulator(WindowHooks):
         check_loss(loss)
         summed = reduction == "sum"
         window = self._window
-        if not window.micro_step:
-            self._holders.check_first(self)
+        self._before_feed(window)
         term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         nxt = window.advance(term, scale=scale, summed=summed,
                              losses=((loss.detach(), 1 if n is None or summed else n),))
         if not isinstance(n, torch.Tensor):
             check_total(nxt.items)
         self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
+        self._guard.note()
         return self._commit(nxt)
 
     @contextmanager
@@ -225,8 +232,7 @@ class Accumulator(WindowHooks):
         n = check_items(n_items, reduction)
         summed = reduction == "sum"
         window = self._window
-        if not window.micro_step:
-            self._holders.check_first(self)
+        self._before_feed(window)
         term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
@@ -244,6 +250,7 @@ class Accumulator(WindowHooks):
 
         with micro_batch_block(run, weigh) as mb:
             yield mb
+        self._guard.note()
         mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                                    terms=add_terms(pending.terms, fed)))
 
@@ -315,6 +322,15 @@ class Accumulator(WindowHooks):
             count = self._sync.agree_count(count)
         return term, exact_total(count, window.size)
 
+    def _before_feed(self, window: Window) -> None:
+        """Before a micro-batch's backward: its window's first is checked against the other
+        accumulators (torch/_holders.py), a later one against gradients changed outside
+        (torch/_guards.py)."""
+        if window.micro_step:
+            self._guard.check(window.micro_step, window.size)
+        else:
+            self._holders.check_first(self)
+
     @staticmethod
     def _later(window: Window, n: Any) -> tuple[Any, Any]:
         """For a later micro-batch: ``n`` as a term of the item total and the window's ``P``. A
@@ -339,7 +355,8 @@ class Accumulator(WindowHooks):
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
         try:
-            out = step_window(window, self._sync, self._precision, self.clip_norm)
+            with self._guard.own_step():
+                out = step_window(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error
             self._precision.abort()
@@ -378,6 +395,7 @@ class Accumulator(WindowHooks):
         window raise, e.g. on a bad schedule value, no micro-batch is applied twice)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
+        self._guard.forget()
         self._window = Window(self._window.size, basis=basis)
 
     def state_dict(self) -> dict[str, Any]:
@@ -415,11 +433,13 @@ class Accumulator(WindowHooks):
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
         self._holders.adopt()
+        self._guard.note() if not self._window.empty else self._guard.forget()
 
     def __del__(self) -> None:
         # Dropped with a partial window: its gradients stay in .grad; the next accumulator over
         # these parameters discards them with a warning (torch/_holders.py).
         with suppress(Exception):
+            self._guard.remove()
             if self._window.micro_step:
                 self._holders.orphan(self._window.micro_step, self._window.size)
 

@@ -34,9 +34,13 @@ def count_tokens(labels: torch.Tensor, *, ignore_index: int = -100, shift: bool 
         (3, 1)
     """
     if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+        raise TypeError(f"labels must be a torch.Tensor, got a {type(labels).__name__}: pass the batch's "
+                        "labels tensor, e.g. count_tokens(batch['labels']) (torch.tensor(labels) for a "
+                        "list)")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}: pass the token ids with "
+                        "-100 at padding (the labels a causal LM's loss takes); for a mask, use "
+                        "mask.sum() as n_items")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if shift:
