@@ -97,7 +97,7 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
     mine, theirs = trace.steps[w][0].lrs, ctx.ref.steps[w][0].lrs
     lrs = (f"the learning rate at window {w + 1}'s step was {mine[0]:.4g} where the full batch's is "
            f"{theirs[0]:.4g}")
-    if odd is not None and ctx.job.takes_scheduler:
+    if odd is not None and ctx.job.takes_scheduler and mine != theirs:
         return Finding(f"{head}: {words.scheduler(trace.scheduler_steps[odd], odd + 1, len(c.sizes))}",
                        f"why: the gradient is the full batch's; your step called scheduler.step() "
                        f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
@@ -152,6 +152,8 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
 
 def _name(h: Hypothesis, k: int, ctx: Context) -> str:
     """What hypothesis ``h`` is called for a window of ``k`` micro-batches."""
+    if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
+        return words.HIDDEN_SCALE
     scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
              "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
              "constant": _constant(h.param, ctx)}[h.family]

@@ -98,6 +98,8 @@ def _weightings(job: Job, loss_fn: LossFn, sizes: tuple[int, ...],
     stacked = torch.stack(grads)
     out = {"means": stacked.mean(0)}
     for where, labels in label_tensors(job.batch):
+        if not bool((labels == IGNORE_INDEX).any()):
+            continue  # without padding a count is the rows' count times the length: no evidence of a shift
         for key, part in (("count", labels), ("shifted", labels[:, 1:])):
             parts = torch.split(part, list(sizes))
             counts = torch.stack([(c != IGNORE_INDEX).sum() for c in parts]).double()

@@ -4,9 +4,9 @@ so that a diagnosis and a list of candidates say the same thing the same way."""
 from __future__ import annotations
 
 __all__ = [
-    "CLIP_EACH", "DIRECTION", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "SCALE", "STALE", "amount",
-    "count_weights", "differs", "fixed_n", "many_steps", "not_divided", "ranks_apart", "scheduler",
-    "twice", "wrong_count",
+    "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "SCALE", "STALE",
+    "amount", "count_weights", "differs", "fixed_n", "many_steps", "not_divided", "ranks_apart",
+    "scheduler", "twice", "wrong_count",
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -15,6 +15,8 @@ MEANS = ("a mean of micro-batch means: a per-micro-batch mean instead of per-tok
 STALE = "the previous window's gradient was still in .grad: zero_grad is missing"
 LAYERS = ("a layer that mixes samples or draws random numbers (gradaccum.check_equivalence "
           "names it)")
+HIDDEN_SCALE = ("a gradient at another scale, which clipping hides (its direction is the full "
+                "batch's on every split)")
 CLIP_EACH = "clipped on every micro-batch: clip once per window, after the last backward"
 COUNT_SHIFT = ("an n_items that counts {where}'s tokens before the shift, where the loss averages "
                "those after it (count_tokens(labels, shift=True))")
