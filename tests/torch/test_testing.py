@@ -193,6 +193,34 @@ def test_an_unshifted_count_as_n_items_of_a_mean_is_named_by_its_weighting():
         assert_accumulation_exact(step, token_model, (ids, labels), loss_fn=lm_mean)
 
 
+def test_a_weighting_by_sequences_is_not_named_a_token_count():
+    # n_items=len(batch): the number of sequences, which no label tensor's token count gives.
+    def per_sequence(model, optimizer, micro_batches):
+        acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
+        for batch in micro_batches:
+            acc.backward(token_loss(model, batch), n_items=len(batch[0]))
+
+    with pytest.raises(AssertionError) as err:
+        assert_accumulation_exact(per_sequence, token_model, padded_batch(), splits=(4, [5, 5, 2]),
+                                  loss_fn=token_loss)
+    assert "not singled out by the evidence; the candidates: a per-micro-batch mean" in str(err.value)
+    assert "an n_items that counts batch" not in str(err.value)
+
+
+def test_a_scale_that_clipping_hides_is_not_named():
+    def not_divided_clipped(model, optimizer, micro_batches):
+        for batch in micro_batches:
+            mse(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # binds on every split
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with pytest.raises(AssertionError) as err:
+        assert_accumulation_exact(not_divided_clipped, linear, regression_batch(), loss_fn=mse, clip_norm=0.01)
+    assert "the candidates: a gradient at another scale, which clipping hides" in str(err.value)
+    assert ": not divided by the steps" not in str(err.value)  # listed, not named
+
+
 def test_what_no_known_mistake_gives_is_said_with_its_candidates():
     def first_counts_double(model, optimizer, micro_batches):
         for i, batch in enumerate(micro_batches):
