@@ -1,0 +1,210 @@
+"""Why a split differs from the full batch, said only as far as the evidence goes.
+
+The first window that differs is read in this order: how often the optimizer stepped in it; whether
+the ranks parted; whether the optimizer saw the full batch's gradient (then the learning rate
+differs: a scheduler stepped per micro-batch); after a first window that agreed, whether the
+previous window's gradient was still in ``.grad``; in the first window, which hypothesis of
+:mod:`gradaccum.testing._evidence` gives the gradient on every split tried. A cause is named
+when one explanation stands; otherwise the words give the difference and list the candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradaccum.testing import _words as words
+from gradaccum.testing._compare import Compared, flat
+from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
+from gradaccum.testing._probes import IGNORE_INDEX, label_tensors, make_probes
+from gradaccum.testing._runs import Job, Trace
+
+__all__ = ["Context", "Finding", "diagnose"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """``words`` for the split's line; ``why`` the evidence, or the candidates."""
+
+    words: str
+    why: str
+
+
+@dataclass
+class Context:
+    """What every split's diagnosis shares (the probes run once, when first needed)."""
+
+    job: Job
+    ref: Trace
+    loss_fn: Any
+    clip_norm: float | None
+    tol: float
+    known: dict[tuple[int, ...], Trace]
+    _probes: list[Probe] | None = field(default=None, repr=False)
+
+    def probes(self) -> list[Probe]:
+        """The first-window probes (:func:`make_probes`), run on the first call."""
+        if self._probes is None:
+            self._probes = make_probes(self.job, self.ref, self.known, self.loss_fn, self.clip_norm)
+        return self._probes
+
+
+def diagnose(c: Compared, ctx: Context) -> Finding:
+    """The words for split ``c`` (which differs in window ``c.window``)."""
+    assert c.window is not None
+    w, trace = c.window, c.traces[0]
+    for v in range(w + 1):
+        if not trace.steps[v]:
+            return Finding(words.NO_UPDATE, "")
+        if len(trace.steps[v]) > 1:
+            return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
+    if c.apart is not None:
+        return Finding(words.ranks_apart(c.apart), "")
+    head = words.amount(c.ratio, c.cosine)
+    if len(ctx.ref.steps[w]) != 1:  # only a reference that is the step itself can do this
+        return _candidates(words.differs(c.ratio, c.cosine),
+                           [f"the reference, your step on the whole batch as one micro-batch, stepped "
+                            f"{len(ctx.ref.steps[w])} times in window {w + 1}: pass loss_fn"])
+    names = list(ctx.job.names)
+    seen, full = flat(trace.steps[w][0].grads, names), flat(ctx.ref.steps[w][0].grads, names)
+    if close(seen, full, ctx.tol):
+        return _learning_rate(c, ctx, head)
+    if w > 0:
+        base = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names)
+        stale = flat(trace.steps[w - 1][0].grads, names)
+        if close(seen, clip(stale + base, ctx.clip_norm), ctx.tol):
+            return Finding(f"{head}: {words.STALE}", f"why: window {w + 1}'s gradient is window {w}'s "
+                           f"plus its own{_clipped(ctx)}")
+        agreed = f"{w} window{'s' if w > 1 else ''} that agreed"
+        return _candidates(f"{words.differs(c.ratio, c.cosine)} in window {w + 1}, after {agreed}",
+                           words.LATER)
+    return _first_window(c, ctx, head, seen, full)
+
+
+def _clipped(ctx: Context) -> str:
+    return "" if ctx.clip_norm is None else f", clipped at {ctx.clip_norm:g}"
+
+
+def _candidates(head: str, candidates: tuple[str, ...] | list[str]) -> Finding:
+    return Finding(head, "not singled out by the evidence; the candidates: " + "; ".join(candidates))
+
+
+def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
+    """The optimizer saw the full batch's gradient: the learning rate (or its state) differs."""
+    w, trace = c.window, c.traces[0]
+    assert w is not None
+    odd = next((v for v in range(w + 1) if trace.scheduler_steps[v] != 1), None)
+    mine, theirs = trace.steps[w][0].lrs, ctx.ref.steps[w][0].lrs
+    lrs = (f"the learning rate at window {w + 1}'s step was {mine[0]:.4g} where the full batch's is "
+           f"{theirs[0]:.4g}")
+    if odd is not None and ctx.job.takes_scheduler and mine != theirs:
+        return Finding(f"{head}: {words.scheduler(trace.scheduler_steps[odd], odd + 1, len(c.sizes))}",
+                       f"why: the gradient is the full batch's; your step called scheduler.step() "
+                       f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
+    if mine != theirs:
+        return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient is the full batch's, {lrs}",
+                           ["a scheduler stepped more or less often than once per optimizer step",
+                            "a learning rate your step sets"])
+    return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient and the learning rate are "
+                       "the full batch's",
+                       ["the optimizer's state (an extra step earlier, or a second optimizer)",
+                        "parameters changed outside optimizer.step()"])
+
+
+def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) -> Finding:
+    k = len(c.sizes)
+    probes = ctx.probes()
+    standing = explain(probes, ctx.clip_norm, ctx.tol) if probes else []
+    if ctx.job.world > 1 and standing and standing[0] == Hypothesis("full", "exact"):
+        return Finding(f"{head}: exact on one process, not on {ctx.job.world} ranks: a count or a "
+                       "gradient taken per rank (pass model=ddp_model to the Accumulator, or sum the "
+                       "counts over the ranks)",
+                       "why: the same step on one process gives the full batch's gradient for every "
+                       "split tried")
+    if len(standing) == 1 and ctx.loss_fn is None and standing[0].family == "not divided":
+        # Against the step itself on one micro-batch, a fixed N looks the same as no division.
+        return _candidates(words.differs(c.ratio, c.cosine), [
+            words.not_divided(k), "a fixed N whatever the window holds (without loss_fn the reference "
+            "is your step on the whole batch as one micro-batch, which divides by N too)"])
+    # One window size alone cannot tell a rule of k from a constant: name nothing from it.
+    h = standing[0] if len(standing) == 1 and len({len(p.sizes) for p in probes}) > 1 else None
+    # A constant factor below 1 is also what clipping the helper was not told of gives.
+    hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
+        h is None or (h.family == "constant" and not _is_token_ratio(h.param, ctx)))
+    if h is not None and not hidden_clip:
+        return Finding(f"{head}: {_name(h, k, ctx)}", "why: " + _evidence(h, probes, ctx))
+    weighting = {s.base for s in standing}
+    if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
+        h = standing[0]
+        return Finding(f"{head}: {_name(Hypothesis(h.base, 'exact'), k, ctx)} (its scale hidden by "
+                       "clipping)", "why: " + _evidence(h, probes, ctx, scale_hidden=True))
+    turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
+                       ctx.tol)
+    listed = [_name(h, k, ctx) for h in standing] or list(words.DIRECTION if turned else words.SCALE)
+    if hidden_clip and not turned:
+        listed.append(f"clipping that the reference does not apply (pass clip_norm=; your step's "
+                      f"gradient norm is {float(seen.norm()):.4g}, the full batch's "
+                      f"{float(full.norm()):.4g})")
+    if ctx.loss_fn is None:
+        listed.append("(pass loss_fn: the evidence is sharper against a reference of its own)")
+    return _candidates(words.differs(c.ratio, c.cosine), listed)
+
+
+def _name(h: Hypothesis, k: int, ctx: Context) -> str:
+    """What hypothesis ``h`` is called for a window of ``k`` micro-batches."""
+    if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
+        return words.HIDDEN_SCALE
+    scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
+             "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
+             "constant": _constant(h.param, ctx)}[h.family]
+    if h.base == "full":
+        return scale
+    weighting = words.MEANS if h.base == "means" else words.count_weights(h.base)
+    return weighting + (f", and {scale}" if scale else "")
+
+
+def _token_ratio(factor: float, ctx: Context) -> tuple[str, int, int] | None:
+    """The label tensor whose token count after the shift over that before it (or the inverse)
+    is ``factor``: where it is, and the two counts."""
+    for where, labels in label_tensors(ctx.job.batch):
+        shifted = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        counted = int((labels != IGNORE_INDEX).sum())
+        for a, b in ((shifted, counted), (counted, shifted)):
+            if b and abs(factor - a / b) <= ctx.tol * factor:
+                return where, a, b
+    return None
+
+
+def _is_token_ratio(factor: float, ctx: Context) -> bool:
+    return _token_ratio(factor, ctx) is not None
+
+
+def _constant(factor: float, ctx: Context) -> str:
+    """A constant factor, named an unshifted token count when it is the batch's ratio of counts."""
+    found = _token_ratio(factor, ctx)
+    return words.wrong_count(factor, None) if found is None else words.wrong_count(factor, *found)
+
+
+def _evidence(h: Hypothesis, probes: list[Probe], ctx: Context, scale_hidden: bool = False) -> str:
+    """The sentence that says what the probes showed."""
+    ordered = sorted(probes, key=lambda p: (len(p.sizes), p.sizes))
+    ks = ", ".join(str(len(p.sizes)) for p in ordered)
+    splits = ", ".join("+".join(map(str, p.sizes)) for p in ordered)
+    rule = {"exact": "", "twice": " divided by k", "not divided": " times k",
+            "fixed": f" times k/{int(h.param)}", "constant": f" times {h.param:.4g}",
+            "clip each": ""}[h.family]
+    if h.family == "clip each":
+        said = f"the running sum clipped at {ctx.clip_norm:g} after every micro-batch"
+    elif h.base == "full":
+        said = f"the full batch's gradient{rule}"
+    elif h.base == "means":
+        said = f"the mean of the micro-batches' own mean gradients{rule}"
+    else:
+        kind, where = h.base.split(":", 1)
+        said = (f"the micro-batches' gradients weighted by {where}'s token counts "
+                f"{'before' if kind == 'count' else 'after'} the shift{rule}")
+    if scale_hidden:
+        said = said.removesuffix(rule) + " at some scale"
+    clipped = "" if ctx.clip_norm is None or h.family == "clip each" else f", clipped at {ctx.clip_norm:g}"
+    return (f"the window gradient is {said}{clipped}, for k = {ks} micro-batches ({splits}), and no "
+            "other known mistake gives these gradients")
