@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from gradaccum.cli._errors import UsageError
+from gradaccum.cli._options import check_device
 from gradaccum.demos.mnist import default_data_dir
 from tests.cli import run
 
@@ -92,12 +94,15 @@ BAD = [
     (["compare", "--settings", "99999999999999999999x2"], 2, "--settings micro-batch must be <= 16777216"),
     (["compare", "--settings", "2x99999999999999999999"], 2, "--settings steps must be <= 16777216"),
     (["compare", "--seed", "99999999999999999999"], 2, "argument --seed"),
+    (["compare", "--settings", "64x1,32x2,64x1"], 2, "--settings '64x1,32x2,64x1' gives 64x1 twice"),
     (["plan", "--global-batch", "1e20"], 2, "argument --global-batch"),
     (["plan", "--global-batch", str(10**20)], 2, "argument --global-batch: must be an integer <="),
     (["plan", "--probe", "4", "99999999999"], 2, "argument --probe"),
     (["plan", "--check", "99999999999"], 2, "argument --check"),
     (["plan", "--check-steps", "99999999999"], 2, "argument --check-steps"),
     (["plan", "--budget", "99999999999999GB"], 2, "--budget must be at most 1 EiB"),
+    (["plan", "--budget", f"{2**60 + 1}B"], 2, "--budget must be at most 1 EiB"),  # no float rounding
+    (["plan", "--budget", "0.5B"], 2, "budget must be at least 1 byte, got '0.5B'"),
     (["plan", "--seed", "99999999999999999999"], 2, "argument --seed"),
     (["check", "--model", "mlp", "--steps", "99999999999"], 2, "argument --steps"),
     (["check", "--model", "mlp", "--micro-batch", "99999999999"], 2, "argument --micro-batch"),
@@ -108,6 +113,9 @@ BAD = [
     (["check", "--model", "mlp", "--input-shape", "99999,99999"], 2, "--input-shape '99999,99999'"),
     (["bench", "--threads", "5000"], 2, "argument --threads: must be an integer <= 1024"),
 ]
+BAD += [([cmd, "--device", "cpu:7", *extra], 2, "--device cpu:7: the CPU is one device, cpu or cpu:0")
+        for cmd, extra in [("train", []), ("compare", []), ("check", ["--model", "mlp"]),
+                           ("plan", []), ("bench", [])]]
 if not torch.cuda.is_available():
     BAD += [([cmd, "--device", "cuda", *extra], 2, "this machine has no cuda device")
             for cmd, extra in [("train", []), ("compare", []), ("check", ["--model", "mlp"]),
@@ -178,3 +186,9 @@ def test_the_largest_seed_and_epoch_counts_run(tmp_path, capsys):
     # The upper ends of the ranges are accepted and work (torch, NumPy and the data order).
     code, err = run(["train", *TINY, "--seed", "4294967295", "--out", str(tmp_path / "run")], capsys)
     assert code == 0, err
+
+
+def test_the_cpu_is_one_device_cpu_or_cpu_0():
+    assert check_device("cpu") == "cpu" and check_device("cpu:0") == "cpu:0"  # the negative twin
+    with pytest.raises(UsageError, match="--device cpu:1: the CPU is one device"):
+        check_device("cpu:1")

@@ -20,6 +20,7 @@ import pytest
 from gradaccum.cli import main
 from gradaccum.demos.checkpoint import read_state
 from gradaccum.demos.metrics import read_metrics
+from gradaccum.demos.run_lock import LOCK
 from tests.cli import run
 from tests.ranks import environment, free_port
 
@@ -194,6 +195,20 @@ def test_an_out_folder_holds_one_run(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["config"]["seed"] == 1
     assert (out / "curves.png").exists() and (out / "notes.txt").read_text() == "mine"
     assert not list(out.glob(".*tmp*"))  # no temporary file left behind
+
+
+def test_a_live_run_whose_lock_file_is_removed_keeps_its_folder_and_ends_as_usual(reference, tmp_path,
+                                                                                  capsys):
+    out = tmp_path / "run"
+    live = Run([*RUN, "--checkpoint-every", "5", "--out", str(out)], tmp_path)
+    live.read_until(lambda line: "[  3/200]" in line)  # it holds the folder, blocked on its pipe
+    (out / LOCK).unlink()
+    code, err = run(["train", *RUN, "--overwrite", "--out", str(out)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"is in use by a running gradaccum run (pid {live.proc.pid} on " in err
+    code, _, err = live.finish()
+    assert code == 0, err[-2000:]
+    assert same_params(out, reference) and same_metrics(out, reference)  # undisturbed
 
 
 @pytest.mark.parametrize(("argv", "message"), [

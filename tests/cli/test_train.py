@@ -86,3 +86,6 @@ def test_settings_are_validated():
     for bad in ("8", "8x0", "x2", "8x2.5"):
         with pytest.raises(ValueError, match="MICROxSTEPS"):
             parse_settings(bad)
+    assert parse_settings("8x8,8x4,4x8") == [(8, 8), (8, 4), (4, 8)]  # distinct: each runs once
+    with pytest.raises(ValueError, match="gives 8x8 twice: each setting runs once"):
+        parse_settings("8x8,8x4,8x8")

@@ -6,6 +6,7 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
+from gradaccum.demos.run_lock import LOCK
 from tests.ranks import torchrun
 
 pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
@@ -50,3 +51,14 @@ def test_window_batchnorm_under_torchrun_pools_statistics_over_the_ranks(tmp_pat
     assert text.count("Test: Accuracy") == 1
     epoch = next(r for r in read_metrics(tmp_path / "bn" / "metrics.jsonl") if r["kind"] == "epoch")
     assert epoch["optimizer_steps"] == 4  # 256 items / (16 x 2 x 2 ranks)
+
+
+def test_under_torchrun_resume_of_a_folder_holding_only_a_killed_runs_lock_starts_over(tmp_path):
+    # Only rank 0 takes the lock and sees that a killed run left it: every rank must start over.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK).write_text('{"pid": 1, "host": "elsewhere", "started": 0}')  # no flock: a dead run's
+    text = train(["--limit-train", "128", "--limit-test", "50", "--epochs", "1", "--no-progress",
+                  "--out", str(out), "--resume"], tmp_path)
+    assert f"No checkpoint in {out} yet: the run starts over" in text
+    assert (out / "summary.json").exists() and not (out / LOCK).exists()

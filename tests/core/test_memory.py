@@ -61,12 +61,14 @@ def test_line_through_two_probes():
 
 
 @pytest.mark.parametrize(("text", "value"), [("512MiB", 512 * MiB), ("2GB", 2 * 10**9),
-                                             ("1.5 GiB", 3 * 2**29), ("4096", 4096), (7, 7)])
+                                             ("1.5 GiB", 3 * 2**29), ("4096", 4096), (7, 7),
+                                             (f"{2**60 + 1}B", 2**60 + 1), (2**60 + 1, 2**60 + 1),
+                                             ("1.9B", 1)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["lots", "12 parsecs", "0MiB", "-5GB", ""])
+@pytest.mark.parametrize("text", ["lots", "12 parsecs", "0MiB", "-5GB", "", "0.5B", 0])
 def test_parse_bytes_rejects_non_sizes(text):
     with pytest.raises(ValueError, match="budget"):
         parse_bytes(text)

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from tests.integrations.lightning_common import (  # noqa: E402
     windows_of,
 )
 from tests.ranks import environment, run_ranks, scenario  # noqa: E402
-from tests.reference import tiny_lm  # noqa: E402
+from tests.reference import lm_loss, tiny_lm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "LIGHTNING.md"
@@ -216,6 +217,75 @@ def test_bad_options_fail_at_construction_and_the_accumulator_waits_for_training
         TinyLM(steps=0)
     with pytest.raises(RuntimeError, match="built when training starts"):
         _ = TinyLM(steps=STEPS).accumulator
+
+
+class ReturnsTheLoss(TinyLM):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return lm_loss(self.net, *batch)  # as under automatic optimization: nothing steps
+
+
+class CallsManualBackward(TinyLM):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = lm_loss(self.net, *batch)
+        self.manual_backward(loss)  # the backward alone: nothing steps
+        return loss
+
+
+def fit_recording(model: TinyLM) -> tuple[Any, list[str]]:
+    """``fit(model)`` and the messages of the mixin's forgotten-accumulate warnings."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run = fit(model)
+    return run, [str(w.message) for w in record if "self.accumulate(loss)" in str(w.message)]
+
+
+@pytest.mark.parametrize("module", [ReturnsTheLoss, CallsManualBackward])
+def test_a_module_that_never_calls_accumulate_warns_once_that_nothing_trained(module):
+    model = module(steps=STEPS)
+    before = [p.detach().clone() for p in model.parameters()]
+    run, warned = fit_recording(model)  # 2 epochs: one warning
+    assert warned == [f"{module.__name__}: epoch 0 ran training_step {PER_EPOCH} time(s) without a call to "
+                      "self.accumulate(loss), so nothing trained (no optimizer step, global_step "
+                      "unchanged): call self.accumulate(loss) in training_step, in place of "
+                      "loss.backward() or self.manual_backward(loss)"]
+    assert run.global_step == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("module", [TinyLM, SkipsLastBatch])
+def test_a_module_that_calls_accumulate_does_not_warn(module):
+    run, warned = fit_recording(module(steps=STEPS))  # every batch, or all but the last
+    assert warned == [] and run.global_step == 6
+
+
+def test_the_mixin_listed_after_the_lightning_module_is_a_one_line_type_error_naming_the_order():
+    with pytest.raises(TypeError) as info:
+        class Wrong(pl.LightningModule, AccumulatorMixin):
+            def __init__(self) -> None:
+                super().__init__(steps=STEPS)
+    assert str(info.value) == (
+        "class Wrong(LightningModule, AccumulatorMixin) lists LightningModule before AccumulatorMixin: "
+        "put the mixin first among the bases, class Wrong(AccumulatorMixin, LightningModule), so that "
+        "its __init__ takes steps= and its hooks run")
+
+
+def test_the_mixin_listed_first_and_subclasses_of_such_modules_are_accepted():
+    class Right(AccumulatorMixin, pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__(steps=STEPS)
+
+    class Derived(Right):
+        pass
+
+    class Helper(AccumulatorMixin):  # a mixin on the mixin, not yet a module
+        pass
+
+    class Mixed(Helper, pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__(steps=STEPS)
+
+    for module in (Right, Derived, Mixed):
+        assert module().automatic_optimization is False
 
 
 # ------------------------------------------------------------------------------------ DDP

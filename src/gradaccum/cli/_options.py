@@ -147,7 +147,8 @@ def check_device(text: str, option: str = "--device") -> str:
     """Check that a torch device exists on this machine.
 
     Raises:
-        UsageError: not a device name, or a device this machine does not have.
+        UsageError: not a device name, or a device this machine does not have (``cpu:1``
+            included: the CPU is one device).
 
     Example:
         >>> check_device("cpu")
@@ -160,6 +161,8 @@ def check_device(text: str, option: str = "--device") -> str:
     except (RuntimeError, ValueError) as err:
         raise UsageError(f"{option} {text!r} is not a device name ({one_line(err)})") from None
     if device.type == "cpu":
+        if device.index not in (None, 0):  # torch accepts any index and runs on the one CPU device
+            raise UsageError(f"{option} {text}: the CPU is one device, cpu or cpu:0")
         return text
     backend = getattr(torch, device.type, None)
     if device.type == "mps":

@@ -25,11 +25,14 @@ from gradaccum.demos.run_lock import RunLockError, run_lock
 __all__ = ["folder_lock", "prepare_out"]
 
 
-def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> dict[str, Any] | None:
+def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks,
+                killed_run: bool = False) -> dict[str, Any] | None:
     """Check ``--out`` against ``--resume`` and ``--overwrite``; the checkpoint to resume, if any.
 
     One folder holds one run: a new run refuses a folder with another run's files unless told
-    to replace them; ``--resume`` continues the run there with the same settings.
+    to replace them; ``--resume`` continues the run there with the same settings. ``killed_run``:
+    the folder's lock file was left by a run killed there (:func:`folder_lock` says), which with
+    no checkpoint yet starts over like one that wrote only ``metrics.jsonl``.
     """
     from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
 
@@ -43,7 +46,7 @@ def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> 
         for name in RUN_FILES:
             clear_leftovers(out, name)
     held = run_files_in(out)
-    restart = args.resume and held and not set(held) & {CHECKPOINT, *FINAL_FILES}
+    restart = args.resume and (held or killed_run) and not set(held) & {CHECKPOINT, *FINAL_FILES}
     if restart:  # stopped before its first checkpoint: the latest state saved is the start
         print(f"No checkpoint in {out} yet: the run starts over")
     elif args.resume:
@@ -67,32 +70,36 @@ def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks) -> 
 
 
 @contextlib.contextmanager
-def folder_lock(args: argparse.Namespace, ranks: Ranks, backend: str) -> Iterator[None]:
+def folder_lock(args: argparse.Namespace, ranks: Ranks, backend: str) -> Iterator[bool]:
     """Hold ``--out``'s run lock (rank 0) while this run uses the folder: a second run into it
     exits 2 naming the first (:mod:`gradaccum.demos.run_lock`). Under torchrun every rank learns
-    whether rank 0 got it, so that all of them stop together when it did not."""
+    whether rank 0 got it, so that all of them stop together when it did not, and whether it
+    found a killed run's lock file (yielded, for :func:`prepare_out`)."""
     out = args.out
     if out is None or (args.resume and not out.is_dir()):  # nothing to lock; prepare_out says why
-        yield
+        yield False
         return
     if ranks.main:
         writable_dir(out)
     with contextlib.ExitStack() as stack:
         failure: RunLockError | None = None
+        killed_run = False
         if ranks.main:
             try:
-                stack.enter_context(run_lock(out))
+                killed_run = stack.enter_context(run_lock(out))
             except RunLockError as err:
                 failure = err
         if ranks.world > 1 and backend == "torch":
             import torch
             import torch.distributed as dist
 
-            flag = torch.tensor([failure is not None], dtype=torch.int32,
+            flag = torch.tensor([failure is not None, killed_run], dtype=torch.int32,
                                 device=torch.device(args.device) if dist.get_backend() == "nccl" else "cpu")
             dist.broadcast(flag, src=0)
-            if int(flag.item()) and failure is None:
-                failure = RunLockError(f"--out {out} is in use by another gradaccum run (rank 0 says)")
+            if int(flag[0].item()) and failure is None:
+                failure = RunLockError(f"--out {out}: rank 0 could not take its run lock (see rank 0's "
+                                       "error)")
+            killed_run = bool(flag[1].item())
         if failure is not None:
             raise failure
-        yield
+        yield killed_run

@@ -37,7 +37,8 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 
     Raises:
         ValueError: an entry is not ``MICROxSTEPS`` with integers from 1 to
-            :data:`~gradaccum.cli._options.MAX_COUNT`.
+            :data:`~gradaccum.cli._options.MAX_COUNT`, or is given twice (each setting's run
+            has a folder of its own).
 
     Example:
         >>> parse_settings("64x1, 8x8")
@@ -48,8 +49,12 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
         micro, sep, steps = entry.strip().partition("x")
         if not (sep and micro.isdigit() and steps.isdigit() and int(micro) > 0 and int(steps) > 0):
             raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
-        settings.append((check_count(int(micro), "--settings micro-batch"),
-                         check_count(int(steps), "--settings steps")))
+        setting = (check_count(int(micro), "--settings micro-batch"),
+                   check_count(int(steps), "--settings steps"))
+        if setting in settings:
+            raise ValueError(f"--settings {text!r} gives {setting[0]}x{setting[1]} twice: each "
+                             "setting runs once")
+        settings.append(setting)
     return settings
 
 

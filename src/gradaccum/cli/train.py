@@ -244,12 +244,13 @@ def _as_rank(args: argparse.Namespace, ranks: Ranks) -> int:
 
 def _run_ranks(args: argparse.Namespace, ranks: Ranks) -> int:
     config, batch = _config(args, ranks.world)
-    with folder_lock(args, ranks, config.backend):
-        return _train_in_folder(args, config, batch, ranks)
+    with folder_lock(args, ranks, config.backend) as killed_run:
+        return _train_in_folder(args, config, batch, ranks, killed_run)
 
 
-def _train_in_folder(args: argparse.Namespace, config: TrainConfig, batch: str, ranks: Ranks) -> int:
-    resume = prepare_out(args, config, ranks)
+def _train_in_folder(args: argparse.Namespace, config: TrainConfig, batch: str, ranks: Ranks,
+                     killed_run: bool) -> int:
+    resume = prepare_out(args, config, ranks, killed_run)
     print(f"gradaccum train: {config.model}, {batch}, lr {config.lr:g}, {config.optimizer}, "
           f"{config.epochs} epoch(s)" + (f", resuming the run in {config.out}" if resume else ""))
     # The torch trainer stops at a point of its choosing and checkpoints; the MindSpore one

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from gradaccum.core.validate import check_positive_int
 
@@ -33,23 +34,24 @@ def parse_bytes(text: str | int) -> int:
     ``KB/MB/GB`` are decimal (10^3...), ``KiB/MiB/GiB`` binary (2^10...), as the SI and IEC say.
 
     Raises:
-        ValueError: not a size, or not > 0.
+        ValueError: not a size, or under 1 byte.
 
     Example:
         >>> parse_bytes("2MiB"), parse_bytes("1.5kB"), parse_bytes(64)
         (2097152, 1500, 64)
     """
+    # Exact arithmetic: a float would round 2**60 + 1 bytes to 2**60, past any bound checked later.
     if isinstance(text, int) and not isinstance(text, bool):
-        value = float(text)
+        value = Fraction(text)
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _UNITS:
             raise ValueError(f"budget must be a size such as 512MiB or 2GB, got {text!r}")
-        value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0 or not math.isfinite(value):
-        raise ValueError(f"budget must be > 0 bytes, got {text!r}")
-    return int(value)
+        value = Fraction(match.group(1)) * _UNITS[unit]
+    if value < 1:
+        raise ValueError(f"budget must be at least 1 byte, got {text!r}")
+    return int(value)  # whole bytes, rounded down
 
 
 def format_bytes(n: float) -> str:

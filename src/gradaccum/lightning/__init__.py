@@ -17,6 +17,8 @@ each micro-batch to a :class:`gradaccum.Accumulator` and steps once per window, 
 * **Checkpoints** hold the accumulator's state (every rank's under DDP): a mid-window resume is
   bitwise.
 * **global_step** counts windows (one per optimizer step, a flushed last window included).
+* **Misuse** is named: the mixin listed after the LightningModule is a TypeError where the class
+  is defined; an epoch whose ``training_step`` never called ``accumulate`` warns once.
 
 Lightning is not imported here: the mixin uses only the objects the trainer hands it, so it
 works with ``pytorch_lightning`` and ``lightning.pytorch`` alike, and ``import gradaccum`` never

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.lightning._checkpoint import CHECKPOINT_KEY, pack, this_rank
 from gradaccum.lightning._trainer import count_step, ddp_model, plugin_scaler, split_schedulers
+from gradaccum.lightning._usage import check_base_order, warn_if_nothing_fed
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.distributed.base import SyncMode, check_sync_mode
 
@@ -47,7 +48,12 @@ class AccumulatorMixin:
 
     Raises:
         TypeError, ValueError: a bad ``steps`` or ``sync`` (the others are checked when training
-            starts, where the Accumulator is built).
+            starts, where the Accumulator is built). A class that lists the LightningModule
+            before the mixin raises TypeError where it is defined, naming the right order.
+
+    Warns:
+        UserWarning: once, when an epoch ran ``training_step`` without calling
+            :meth:`accumulate` (nothing trained).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -67,6 +73,10 @@ class AccumulatorMixin:
 
     trainer: Any  # these four come from the LightningModule this class is mixed into
     automatic_optimization: bool
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_base_order(cls, AccumulatorMixin)
 
     def __init__(
         self,
@@ -89,6 +99,8 @@ class AccumulatorMixin:
         self._gradaccum_saved: dict[str, Any] | None = None  # a loaded checkpoint's state, to apply
         self._gradaccum_pending: _Pending | None = None
         self._gradaccum_epoch_schedulers: list[Any] = []
+        self._gradaccum_calls = {"training_step": 0, "accumulate": 0}  # this epoch's
+        self._gradaccum_warned = False
 
     # ------------------------------------------------------------------ the user's one call
     @property
@@ -123,6 +135,7 @@ class AccumulatorMixin:
             TypeError, ValueError: what :meth:`gradaccum.Accumulator.backward` raises.
         """
         acc = self.accumulator
+        self._gradaccum_calls["accumulate"] += 1
         pending = _Pending(loss, n_items, reduction)
         last = acc.micro_step + 1 >= acc.steps
         self._gradaccum_pending = pending
@@ -189,12 +202,23 @@ class AccumulatorMixin:
         acc.register_boundary_hook(lambda _: count_step(self.trainer))
         self._gradaccum = acc
 
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        """Count the epoch's ``training_step`` calls (to warn if none of them fed the accumulator)."""
+        self._gradaccum_calls["training_step"] += 1
+        super().on_train_batch_end(*args, **kwargs)  # type: ignore[misc]
+
     def on_train_epoch_end(self) -> None:
-        """Flush a window left open (every rank) and step the per-epoch schedulers."""
+        """Flush a window left open (every rank) and step the per-epoch schedulers; warn once if
+        the epoch ran ``training_step`` but never :meth:`accumulate`."""
         if self._gradaccum is not None:
             self._gradaccum.flush()
         for scheduler in self._gradaccum_epoch_schedulers:
             scheduler.step()
+        calls = self._gradaccum_calls
+        if not self._gradaccum_warned:
+            self._gradaccum_warned = warn_if_nothing_fed(self, self.trainer.current_epoch,
+                                                         calls["training_step"], calls["accumulate"])
+        calls["training_step"] = calls["accumulate"] = 0
         super().on_train_epoch_end()  # type: ignore[misc]
 
     def on_validation_model_zero_grad(self) -> None:
