@@ -29,13 +29,12 @@ from gradaccum.torch._validate import (
     check_parts,
     check_total,
 )
-from gradaccum.torch._weights import exact_total, loss_seed, wide_count
+from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
 from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
-
 
 
 def _open_steps(acc: Accumulator) -> int:
@@ -187,7 +186,7 @@ class Accumulator(WindowHooks):
         check_loss(loss)
         summed = reduction == "sum"
         window = self._window
-        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
+        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
         nxt = window.advance(term, scale=scale, summed=summed,
                              losses=((loss.detach(), 1 if n is None or summed else n),))
         if not isinstance(n, torch.Tensor):
@@ -223,7 +222,7 @@ class Accumulator(WindowHooks):
         n = check_items(n_items, reduction)
         summed = reduction == "sum"
         window = self._window
-        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
+        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
 
@@ -289,33 +288,6 @@ class Accumulator(WindowHooks):
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
         self._window = Window.open(self.schedule(count), basis)
         self._sync.prepare(self._window.next_is_last)
-
-    def _first(self, window: Window, n: Any) -> tuple[Any, Any]:
-        """For a window's first micro-batch: ``n`` as the first term of the item total (a tensor
-        total starts as a wide copy) and the window's provisional total (core.window's rule;
-        the ranks agree once, on the run's first, in one small collective)."""
-        if n is None:
-            return None, None
-        tensor = isinstance(n, torch.Tensor)
-        term = wide_count(n) if tensor else n
-        # A provisional total where it is needed (gradients that can overflow) or free (Python
-        # counts on one process: host arithmetic, and no pass for a window of equal counts).
-        if not (self._precision.overflow_prone or (not tensor and self._sync.world_size == 1)):
-            return term, None
-        count = window.first_count(n)
-        if window.basis is None and self._sync.world_size > 1:
-            count = self._sync.agree_count(count)
-        return term, exact_total(count, window.size)
-
-    @staticmethod
-    def _later(window: Window, n: Any) -> tuple[Any, Any]:
-        """For a later micro-batch: ``n`` as a term of the item total and the window's ``P``. A
-        tensor count joining a Python total (``len(batch)`` then ``mask.sum()``) is added as a
-        wide copy, as a first tensor count is: the total must not take the count's integer dtype
-        (rounded to float32 when divided by) or its narrow float dtype."""
-        if isinstance(n, torch.Tensor) and not isinstance(window.items, torch.Tensor):
-            return wide_count(n), window.scale
-        return n, window.scale
 
     def _commit(self, window: Window) -> bool:
         self._window = window
