@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -14,6 +14,7 @@ from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
+from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
@@ -124,6 +125,7 @@ class Accumulator(WindowHooks):
         self._warned_no_grad = False
         self._terms_fed = False  # the window holds a term of its own total (mb.term)
         self._holders = Holders(self, params, _open_steps)
+        self._cached = CachedBackward(params, self._precision, self._sync, model)
         self._open_window(None)
 
     @property
@@ -193,6 +195,40 @@ class Accumulator(WindowHooks):
             check_total(nxt.items)
         self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
         return self._commit(nxt)
+
+    def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
+                        chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
+                        ) -> bool:
+        """Feed one batch whose loss couples its examples (contrastive) at one chunk's memory: the
+        whole batch's exact gradient by representation caching, as one micro-batch of the window
+        (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk again
+        with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
+
+        Args:
+            encode: ``encode(chunk)`` gives a tensor or tuple of tensors, dim 0 the chunk's examples.
+            loss_fn: ``loss_fn(*reps)`` gets each output concatenated over chunks (and ranks) and
+                returns the scalar loss; non-floating outputs (labels) carry no grad.
+            chunks: the batch's micro-batches, a non-empty iterable (:func:`gradaccum.chunks`).
+            n_items, reduction: as for :meth:`backward` (``n_items``: this rank's items).
+
+        Returns:
+            True when this call completed the window and the optimizer stepped.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
+                not tensors, without dim 0 or grad, or changing; a non-scalar loss). Then, and if
+                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as they were.
+
+        Example:
+            >>> import gradaccum
+            >>> enc = torch.nn.Linear(4, 3)
+            >>> acc = Accumulator(torch.optim.SGD(enc.parameters(), lr=0.1), steps=1, model=enc)
+            >>> loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
+            >>> acc.backward_cached(enc, loss_fn, gradaccum.chunks(torch.randn(10, 4), 4))
+            True
+        """
+        n = check_items(n_items, reduction)
+        return self._commit(self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum"))
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
