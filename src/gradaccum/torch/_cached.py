@@ -45,11 +45,10 @@ from gradaccum.core.window import Window
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, as_outputs, check_second
+from gradaccum.torch._reps import Layout, check_second, gradient_slices, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
-from gradaccum.torch.distributed.collectives import RankGroups
 from gradaccum.torch.distributed.ddp import arm_backward, needs_hook_of
 
 __all__ = ["CachedBackward"]
@@ -112,10 +111,6 @@ def _check_result(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _number(n: Any) -> Any:
-    return n.item() if isinstance(n, torch.Tensor) else n
-
-
 class CachedBackward:
     """``Accumulator.backward_cached``'s two passes, for one accumulator's parts.
 
@@ -161,7 +156,7 @@ class CachedBackward:
                     states.append(RngStates.capture())
                     results.append(encode(chunk))
             norms.restore()  # the first pass's statistics updates: the second pass makes them once
-            layout, leaves, own, count = self._representations(results, n)
+            layout, leaves, own, count = representations(results, n, self.sync)
             del results
             loss = _check_result(loss_fn(*leaves))
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
@@ -170,7 +165,7 @@ class CachedBackward:
             aside = _SetAside(self.params)
             seeded_backward(self.precision.scale(share), seed)
             del loss, share
-            slices = self._slices(layout, leaves, own)
+            slices = gradient_slices(layout, leaves, own, self.sync.world_size)
             del leaves
             self._second_pass(encode, items, states, layout, slices, window, norms, aside)
             self.precision.collect()
@@ -203,72 +198,6 @@ class CachedBackward:
         if shortest != longest or not shortest:
             raise ValueError(f"chunks: the ranks hold from {shortest} to {longest} chunks; every rank must "
                              "give the same number (> 0) of chunks, each rank its share of the batch")
-
-    def _representations(self, results: list[Any], n: Any
-                         ) -> tuple[Layout, list[torch.Tensor], list[int], Any]:
-        """The leaves ``loss_fn`` takes, each output's offset of this rank's rows in them, and the
-        call's count (under data parallel, this rank's equal share of the global count)."""
-        world = self.sync.world_size
-        layout: Layout | None = None
-        problem: Exception | None = None
-        try:
-            per_chunk = [as_outputs(r, i) for i, r in enumerate(results)]
-            layout = Layout.of(results, per_chunk)
-        except (TypeError, ValueError) as e:
-            if world == 1:
-                raise
-            problem = e  # every rank must hear of it, or the others wait in the gather forever
-        outputs = [] if layout is None else [torch.cat(column) for column in zip(*per_chunk, strict=True)]
-        if world == 1:
-            assert layout is not None
-            return layout, self._leaves(layout, outputs), [0] * len(outputs), n
-        sync = self.sync
-        assert isinstance(sync, RankGroups)
-        mine = (None if problem is None else f"{type(problem).__name__}: {problem}",
-                None if layout is None else layout.signature(), [t.shape[0] for t in outputs], _number(n))
-        ranks = sync.gather_objects(mine)
-        for r, (message, *_) in enumerate(ranks):
-            if message is not None:
-                raise problem if problem is not None else ValueError(f"encode on rank {r}: {message}")
-        assert layout is not None
-        if any(other[1] != mine[1] for other in ranks) or len({o[3] is None for o in ranks}) > 1:
-            raise ValueError("the ranks' encode outputs (or n_items) differ in number, dtype or shape per "
-                             f"example: {[(o[1], o[3]) for o in ranks]}; every rank must give the same kind")
-        rank = sync.rank
-        gathered = [sync.gather_rows(t, [o[2][k] for o in ranks]) for k, t in enumerate(outputs)]
-        own = [sum(o[2][k] for o in ranks[:rank]) for k in range(len(outputs))]
-        return layout, self._leaves(layout, gathered), own, self._share(n, [o[3] for o in ranks])
-
-    @staticmethod
-    def _leaves(layout: Layout, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.requires_grad_(True) if floating else t
-                for t, floating in zip(outputs, layout.floating, strict=True)]
-
-    def _share(self, n: Any, counts: list[Any]) -> Any:
-        """This rank's share of the global count: the ranks' sum over the world size."""
-        if n is None:
-            return None
-        total, world = sum(counts), self.sync.world_size
-        return total // world if isinstance(total, int) and total % world == 0 else total / world
-
-    def _slices(self, layout: Layout, leaves: list[torch.Tensor], own: list[int]) -> list[list[Any]]:
-        """``slices[i]``: per floating output, chunk ``i``'s part of this rank's gradient (None when
-        ``loss_fn`` did not use the output), times the world size under data parallel."""
-        world = self.sync.world_size
-        columns: list[list[Any]] = []
-        for k, (leaf, floating) in enumerate(zip(leaves, layout.floating, strict=True)):
-            if not floating:
-                continue
-            rows = layout.rows(k)
-            if leaf.grad is None:
-                columns.append([None] * len(rows))
-                continue
-            grad = leaf.grad.narrow(0, own[k], sum(rows))
-            columns.append(list(torch.split(grad * world if world > 1 else grad, rows)))
-        if all(g is None for column in columns for g in column):
-            raise ValueError("loss_fn's result does not depend on any floating output of encode: there is "
-                             "no gradient to send back through the encoder")
-        return [list(row) for row in zip(*columns, strict=True)]
 
     def _second_pass(self, encode: Any, items: list[Any], states: list[RngStates], layout: Layout,
                      slices: list[list[Any]], window: Window, norms: NormStats, aside: _SetAside) -> None:

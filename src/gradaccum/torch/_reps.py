@@ -1,9 +1,11 @@
-"""The representations of ``backward_cached``: what ``encode`` returned, checked, chunk by chunk.
+"""The representations of ``backward_cached``: what ``encode`` returned, checked, gathered, and
+their gradient cut back into chunks.
 
 ``encode(chunk)`` returns a tensor or a tuple of tensors whose dim 0 indexes the chunk's examples.
 The first pass fixes a :class:`Layout` (how many outputs, their dtypes, trailing shapes and rows
 per chunk); the second pass must return the same, with grad on every floating output. Each check
-names the chunk and the output it found wrong, and raises before any gradient changes.
+names the chunk and the output it found wrong, and raises before any gradient changes. Under data
+parallel the ranks exchange their layouts first, so that a problem on one rank is raised on all.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Layout", "as_outputs", "check_second"]
+from gradaccum.torch.distributed.base import GradSync
+from gradaccum.torch.distributed.collectives import RankGroups
+
+__all__ = ["Layout", "as_outputs", "check_second", "gradient_slices", "representations"]
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -116,3 +121,84 @@ def check_second(layout: Layout, chunk: int, value: Any) -> tuple[torch.Tensor, 
                              "pass: encode detached it or ran it under torch.no_grad() (floating outputs "
                              "carry the gradient; return labels as integer tensors)")
     return outs
+
+
+def _leaves(layout: Layout, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.requires_grad_(True) if floating else t
+            for t, floating in zip(outputs, layout.floating, strict=True)]
+
+
+def _share(counts: list[Any], world: int) -> Any:
+    """A rank's equal share of the global count: the ranks' sum over the world size."""
+    total = sum(counts)
+    return total // world if isinstance(total, int) and total % world == 0 else total / world
+
+
+def representations(results: list[Any], n: Any, sync: GradSync
+                    ) -> tuple[Layout, list[torch.Tensor], list[int], Any]:
+    """What ``loss_fn`` takes, from what ``encode`` returned for each chunk.
+
+    Returns:
+        ``(layout, leaves, own, count)``: the first pass's layout; each output concatenated over
+        the chunks (and under data parallel over the ranks, in rank order), a leaf that requires
+        grad if floating; each output's offset of this rank's rows in its leaf; the call's count
+        (under data parallel, this rank's equal share of the ranks' summed ``n``).
+
+    Raises:
+        TypeError, ValueError: a bad output (:func:`as_outputs`, :meth:`Layout.of`); under data
+            parallel on every rank, when any rank's outputs are bad or the ranks' differ in kind.
+    """
+    world = sync.world_size
+    layout: Layout | None = None
+    problem: Exception | None = None
+    try:
+        per_chunk = [as_outputs(r, i) for i, r in enumerate(results)]
+        layout = Layout.of(results, per_chunk)
+    except (TypeError, ValueError) as e:
+        if world == 1:
+            raise
+        problem = e  # every rank must hear of it, or the others wait in the gather forever
+    outputs = [] if layout is None else [torch.cat(column) for column in zip(*per_chunk, strict=True)]
+    if world == 1:
+        assert layout is not None
+        return layout, _leaves(layout, outputs), [0] * len(outputs), n
+    assert isinstance(sync, RankGroups)
+    mine = (None if problem is None else f"{type(problem).__name__}: {problem}",
+            None if layout is None else layout.signature(), [t.shape[0] for t in outputs],
+            n.item() if isinstance(n, torch.Tensor) else n)
+    ranks = sync.gather_objects(mine)
+    for r, (message, *_) in enumerate(ranks):
+        if message is not None:
+            raise problem if problem is not None else ValueError(f"encode on rank {r}: {message}")
+    assert layout is not None
+    if any(other[1] != mine[1] for other in ranks) or len({o[3] is None for o in ranks}) > 1:
+        raise ValueError("the ranks' encode outputs (or n_items) differ in number, dtype or shape per "
+                         f"example: {[(o[1], o[3]) for o in ranks]}; every rank must give the same kind")
+    gathered = [sync.gather_rows(t, [o[2][k] for o in ranks]) for k, t in enumerate(outputs)]
+    own = [sum(o[2][k] for o in ranks[:sync.rank]) for k in range(len(outputs))]
+    return layout, _leaves(layout, gathered), own, None if n is None else _share([o[3] for o in ranks], world)
+
+
+def gradient_slices(layout: Layout, leaves: list[torch.Tensor], own: list[int], world: int
+                    ) -> list[list[Any]]:
+    """``slices[i]``: per floating output, chunk ``i``'s part of this rank's gradient (None where
+    ``loss_fn`` did not use the output), times ``world`` under data parallel (every rank computes
+    the global loss; DDP/FSDP2 average the ranks' encoder gradients, whose sum is the true one).
+
+    Raises:
+        ValueError: ``loss_fn`` used no floating output (no gradient reaches the encoder).
+    """
+    columns: list[list[Any]] = []
+    for k, (leaf, floating) in enumerate(zip(leaves, layout.floating, strict=True)):
+        if not floating:
+            continue
+        rows = layout.rows(k)
+        if leaf.grad is None:
+            columns.append([None] * len(rows))
+            continue
+        grad = leaf.grad.narrow(0, own[k], sum(rows))
+        columns.append(list(torch.split(grad * world if world > 1 else grad, rows)))
+    if all(g is None for column in columns for g in column):
+        raise ValueError("loss_fn's result does not depend on any floating output of encode: there is "
+                         "no gradient to send back through the encoder")
+    return [list(row) for row in zip(*columns, strict=True)]

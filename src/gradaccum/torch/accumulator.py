@@ -199,17 +199,19 @@ class Accumulator(WindowHooks):
     def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
                         chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
                         ) -> bool:
-        """Feed one batch whose loss couples its examples (contrastive) at one chunk's memory: the
-        whole batch's exact gradient by representation caching, as one micro-batch of the window
-        (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk again
-        with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
+        """Feed one batch whose loss couples its examples (contrastive), at one chunk's memory.
+
+        The whole batch's exact gradient by representation caching, as one micro-batch of the
+        window (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk
+        again with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
 
         Args:
             encode: ``encode(chunk)`` gives a tensor or tuple of tensors, dim 0 the chunk's examples.
             loss_fn: ``loss_fn(*reps)`` gets each output concatenated over chunks (and ranks) and
                 returns the scalar loss; non-floating outputs (labels) carry no grad.
             chunks: the batch's micro-batches, a non-empty iterable (:func:`gradaccum.chunks`).
-            n_items, reduction: as for :meth:`backward` (``n_items``: this rank's items).
+            n_items: the batch's items (this rank's), as for :meth:`backward`.
+            reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the items.
 
         Returns:
             True when this call completed the window and the optimizer stepped.
@@ -217,7 +219,8 @@ class Accumulator(WindowHooks):
         Raises:
             TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
                 not tensors, without dim 0 or grad, or changing; a non-scalar loss). Then, and if
-                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as they were.
+                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as
+                they were.
 
         Example:
             >>> import gradaccum
