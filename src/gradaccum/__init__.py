@@ -41,7 +41,7 @@ __version__ = "0.3.0"
 # MindSpore adapter and the core never need torch. Type checkers see the import below.
 _TORCH_NAMES = frozenset({
     "Accumulator", "AutoBatch", "CheckReport", "MicroBatch", "NoMicroBatchFitsError",
-    "WindowBatchNorm", "batch_size", "check_equivalence", "count_tokens", "is_oom_error",
+    "WindowBatchNorm", "batch_size", "check_equivalence", "chunks", "count_tokens", "is_oom_error",
     "restore_batchnorm", "restore_momentum_", "scale_momentum_", "split_batch", "to_groupnorm",
     "to_window_batchnorm", "window_batchnorm",
 })
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
         WindowBatchNorm,
         batch_size,
         check_equivalence,
+        chunks,
         count_tokens,
         is_oom_error,
         restore_batchnorm,
@@ -97,6 +98,7 @@ __all__ = [
     "batch_size",
     "check_batch_sizes",
     "check_equivalence",
+    "chunks",
     "count_tokens",
     "is_oom_error",
     "lr_scale",

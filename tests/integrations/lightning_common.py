@@ -8,7 +8,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+import gradaccum
 from gradaccum.lightning import AccumulatorMixin
+from tests.contrastive import Towers, clip_loss, full_batch_grads
 from tests.reference import PAD, lm_loss, padded, tiny_lm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -104,3 +106,32 @@ def windows_of(batches: Sequence[Batch], steps: int) -> list[list[Batch]]:
 
 def largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+class ClipPairs(AccumulatorMixin, pl.LightningModule):
+    """CLIP's two towers and learnable temperature, each batch fed by representation caching:
+    ``accumulate_cached`` (or, ``direct``, the accumulator's ``backward_cached`` itself)."""
+
+    def __init__(self, steps: int = 2, direct: bool = False, chunks: int = 3, **options: Any) -> None:
+        super().__init__(steps=steps, **options)
+        self.towers = Towers()
+        self.direct, self.chunks = direct, chunks
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        parts = gradaccum.chunks(batch, -(-len(batch[0]) // self.chunks))
+        feed = self.accumulator.backward_cached if self.direct else self.accumulate_cached
+        feed(lambda c: self.towers(*c), lambda i, t: clip_loss(i, t, self.towers.logit_scale), parts)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def clip_reference(windows: Sequence[Sequence[Any]]) -> torch.nn.Module:
+    """The full batch: per window, the mean of its batches' CLIP losses, one SGD step."""
+    model = Towers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window in windows:
+        opt.zero_grad(set_to_none=True)
+        full_batch_grads(model, [[b] for b in window], lambda i, t: clip_loss(i, t, model.logit_scale))
+        opt.step()
+    return model

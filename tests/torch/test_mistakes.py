@@ -42,10 +42,10 @@ class Recipe(torch.nn.Module):
 MISTAKES: list[tuple[str, Callable[[dict[str, Any]], Any], type[Exception], str, str]] = [
     # (mistake, the call, exception, the message's first words, the fix it names)
     ("the model passed as the optimizer", lambda s: gradaccum.Accumulator(s["model"], 4),
-     TypeError, "optimizer must be a torch.optim.Optimizer, got the model", "torch.optim.SGD(model.parameters()"),
+     TypeError, "optimizer must be a torch.optim.Optimizer, got the model", "SGD(model.parameters()"),
     ("model.parameters() passed as the optimizer",
      lambda s: gradaccum.Accumulator(s["model"].parameters(), 4),
-     TypeError, "optimizer must be a torch.optim.Optimizer, got parameters", "torch.optim.SGD(model.parameters()"),
+     TypeError, "optimizer must be a torch.optim.Optimizer, got parameters", "SGD(model.parameters()"),
     ("clip_norm passed positionally (the seed tutorial's signature)",
      lambda s: gradaccum.Accumulator(s["opt"], 4, 1.0),
      TypeError, "Accumulator takes optimizer and steps positionally", "clip_norm=1.0"),

@@ -216,7 +216,8 @@ def test_a_scale_that_clipping_hides_is_not_named():
         optimizer.zero_grad()
 
     with pytest.raises(AssertionError) as err:
-        assert_accumulation_exact(not_divided_clipped, linear, regression_batch(), loss_fn=mse, clip_norm=0.01)
+        assert_accumulation_exact(not_divided_clipped, linear, regression_batch(), loss_fn=mse,
+                                  clip_norm=0.01)
     assert "the candidates: a gradient at another scale, which clipping hides" in str(err.value)
     assert ": not divided by the steps" not in str(err.value)  # listed, not named
 

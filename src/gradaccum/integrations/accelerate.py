@@ -9,6 +9,7 @@ optimizer, scheduler and dataloader, ``if accelerator.sync_gradients:`` after ea
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -91,13 +92,31 @@ class Accumulator(_Accumulator):
         Returns:
             True when the optimizer stepped during this call.
         """
-        windows = self.windows
-        self._gradient_state.sync_gradients = True  # Accelerate's scheduler steps only when True
-        stepped = super().backward(loss, n_items, reduction=reduction)
-        if self.micro_step and self._gradient_state.end_of_dataloader:
-            stepped = super().flush()
-        self._gradient_state.sync_gradients = self.windows != windows
-        return stepped
+        return self._fed(lambda: super(Accumulator, self).backward(loss, n_items, reduction=reduction))
+
+    def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
+                        chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
+                        ) -> bool:
+        """Feed one batch of a coupled loss (:meth:`gradaccum.Accumulator.backward_cached`: the
+        representations of every chunk and, under ``accelerate launch``, every process); at the
+        last batch of a prepared dataloader, also apply the partial window.
+
+        Returns:
+            True when the optimizer stepped during this call.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> import gradaccum
+            >>> accelerator = Accelerator(gradient_accumulation_steps=1)
+            >>> model = torch.nn.Linear(3, 2)
+            >>> model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> acc = Accumulator(accelerator, opt, model=model)
+            >>> loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
+            >>> acc.backward_cached(model, loss_fn, gradaccum.chunks(torch.randn(6, 3), 2))
+            True
+        """
+        return self._fed(lambda: super(Accumulator, self).backward_cached(encode, loss_fn, chunks, n_items,
+                                                                          reduction=reduction))
 
     def flush(self) -> bool:
         """Apply the partial window now (:meth:`gradaccum.Accumulator.flush`).
@@ -108,5 +127,16 @@ class Accumulator(_Accumulator):
         windows = self.windows
         self._gradient_state.sync_gradients = True
         stepped = super().flush()
+        self._gradient_state.sync_gradients = self.windows != windows
+        return stepped
+
+    def _fed(self, feed: Callable[[], bool]) -> bool:
+        """Run one feeding call with Accelerate's flags around it (``sync_gradients`` True while
+        it runs: Accelerate's scheduler steps only then), flushing at the dataloader's end."""
+        windows = self.windows
+        self._gradient_state.sync_gradients = True
+        stepped = feed()
+        if self.micro_step and self._gradient_state.end_of_dataloader:
+            stepped = super().flush()
         self._gradient_state.sync_gradients = self.windows != windows
         return stepped

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,52 @@ class AccumulatorMixin:
         finally:
             self._gradaccum_pending = None
         stepped = pending.stepped
+        if self.trainer.is_last_batch and acc.micro_step > 0:
+            stepped = acc.flush() or stepped
+        return stepped
+
+    def accumulate_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
+                          chunks: Iterable[Any], n_items: Any = None, *, reduction: Any = "mean") -> bool:
+        """Feed one batch of a coupled (contrastive) loss from ``training_step``, by representation
+        caching: :meth:`gradaccum.Accumulator.backward_cached` (docs/CONTRASTIVE.md), then, at
+        the epoch's last batch, the partial window is flushed as :meth:`accumulate` does.
+
+        ``encode`` calls the module's own layers; under ``strategy="ddp"`` the call arms DDP's
+        reducer for the chunk that reduces (Lightning's DDP wrapper is the ``training_step``
+        itself), so the gradients are averaged once per window and ``loss_fn`` sees the outputs
+        of every rank. The precision plugin's autocast covers both passes; its scaler scales the
+        representation gradient once.
+
+        Args:
+            encode: ``encode(chunk)`` returns a tensor or tuple of tensors (dim 0: examples).
+            loss_fn: ``loss_fn(*reps)`` returns the batch's scalar loss.
+            chunks: the batch's micro-batches (:func:`gradaccum.chunks`).
+            n_items: this rank's items, as for :meth:`accumulate`.
+            reduction: ``"mean"`` or ``"sum"``.
+
+        Returns:
+            True when the optimizer stepped (a window completed or was flushed).
+
+        Raises:
+            TypeError, ValueError, RuntimeError: what :meth:`gradaccum.Accumulator.backward_cached`
+                raises.
+
+        Example:
+            >>> import gradaccum, pytorch_lightning as pl
+            >>> class Pairs(AccumulatorMixin, pl.LightningModule):
+            ...     def __init__(self):
+            ...         super().__init__(steps=2)
+            ...         self.encoder = torch.nn.Linear(3, 2)
+            ...     def training_step(self, batch, batch_idx):
+            ...         loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
+            ...         self.accumulate_cached(self.encoder, loss_fn, gradaccum.chunks(batch, 4))
+            ...     def configure_optimizers(self):
+            ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+            >>> Pairs().automatic_optimization
+            False
+        """
+        acc = self.accumulator
+        stepped = acc.backward_cached(encode, loss_fn, chunks, n_items, reduction=reduction)
         if self.trainer.is_last_batch and acc.micro_step > 0:
             stepped = acc.flush() or stepped
         return stepped

@@ -15,6 +15,7 @@ except ImportError as err:
         f"(importing torch failed: {err})"
     ) from err
 
+from gradaccum.torch._chunks import chunks
 from gradaccum.torch.accumulator import Accumulator, MicroBatch
 from gradaccum.torch.batchnorm.convert import restore_batchnorm, to_groupnorm
 from gradaccum.torch.batchnorm.momentum import restore_momentum_, scale_momentum_
@@ -38,6 +39,7 @@ __all__ = [
     "WindowBatchNorm",
     "batch_size",
     "check_equivalence",
+    "chunks",
     "count_tokens",
     "is_oom_error",
     "restore_batchnorm",

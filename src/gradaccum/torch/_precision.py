@@ -149,6 +149,17 @@ class Precision:
         if self.buffers is not None:
             self.buffers.collect()
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times an active scaler's scale (as :meth:`backward` scales it), or ``loss``."""
+        scaler = self._scaler
+        return loss if scaler is None else scaler.scale(loss)
+
+    def collect(self) -> None:
+        """Fold the narrow gradients into the wide buffers (:meth:`backward` does it after each
+        backward; ``backward_cached`` once, after its last chunk)."""
+        if self.buffers is not None:
+            self.buffers.collect()
+
     def average_over_ranks(self, sync: Any) -> None:
         """At the boundary, under DDP with wide buffers: average every gradient of the window (the
         native ``.grad`` and the float32 sums) over the ranks, each in its own dtype, after one

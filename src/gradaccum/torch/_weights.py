@@ -16,13 +16,16 @@ in float32 (relative error 2**-24).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradaccum.core.window import provisional_total
+from gradaccum.core.window import Window, provisional_total
 
-__all__ = ["NO_FLOAT64", "exact_total", "float_total", "loss_seed", "wide_count", "wide_dtype"]
+if TYPE_CHECKING:
+    from gradaccum.torch.distributed.base import GradSync
+
+__all__ = ["NO_FLOAT64", "exact_total", "float_total", "loss_seed", "wide_count", "wide_dtype", "window_term"]
 
 # Device types whose kernels have no float64.
 NO_FLOAT64 = frozenset({"mps"})
@@ -113,3 +116,37 @@ def loss_seed(loss: torch.Tensor, n: Any, scale: Any, size: int, summed: bool) -
         if seed.device != loss.device:
             seed = seed.to(loss.device, non_blocking=True)
     return seed if seed.shape == loss.shape else seed.reshape(loss.shape)
+
+
+def window_term(window: Window, n: Any, overflow_prone: bool, sync: GradSync) -> tuple[Any, Any]:
+    """A micro-batch's count as a term of ``window``'s item total, and the window's provisional
+    total ``P``: what :meth:`Window.advance` takes (``(None, None)`` under mean weighting).
+
+    A window's first micro-batch starts the total (a tensor count as a wide copy) and fixes ``P``
+    (core.window's rule; the ranks agree once, on the run's first, in one small collective). A
+    later one keeps the window's ``P``; a tensor count joining a Python total (``len(batch)``
+    then ``mask.sum()``) is added as a wide copy, as a first tensor count is: the total must not
+    take the count's integer dtype (rounded to float32 when divided by) or its narrow float dtype.
+
+    Args:
+        window: the window before this micro-batch.
+        n: the micro-batch's checked count, or None.
+        overflow_prone: the gradients can overflow (a GradScaler, float16 parameters).
+        sync: the accumulator's gradient sync (its world size, and the ranks' agreement).
+    """
+    if window.micro_step:
+        if isinstance(n, torch.Tensor) and not isinstance(window.items, torch.Tensor):
+            return wide_count(n), window.scale
+        return n, window.scale
+    if n is None:
+        return None, None
+    tensor = isinstance(n, torch.Tensor)
+    term = wide_count(n) if tensor else n
+    # A provisional total where it is needed (gradients that can overflow) or free (Python
+    # counts on one process: host arithmetic, and no pass for a window of equal counts).
+    if not (overflow_prone or (not tensor and sync.world_size == 1)):
+        return term, None
+    count = window.first_count(n)
+    if window.basis is None and sync.world_size > 1:
+        count = sync.agree_count(count)
+    return term, exact_total(count, window.size)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -15,6 +15,7 @@ from gradaccum.core.terms import add_terms
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
+from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._guards import Guard
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
@@ -32,13 +33,12 @@ from gradaccum.torch._validate import (
     check_parts,
     check_total,
 )
-from gradaccum.torch._weights import exact_total, loss_seed, wide_count
+from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
 from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
-
 
 
 def _open_steps(acc: Accumulator) -> int:
@@ -132,6 +132,7 @@ class Accumulator(WindowHooks):
         self._warned_no_grad = False
         self._holders = Holders(self, params, _open_steps)
         self._guard = Guard(self, optimizer, params)
+        self._cached = CachedBackward(params, self._precision, self._sync, model)
         self._open_window(None)
 
     @property
@@ -195,7 +196,7 @@ class Accumulator(WindowHooks):
         summed = reduction == "sum"
         window = self._window
         self._before_feed(window)
-        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
+        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
         nxt = window.advance(term, scale=scale, summed=summed,
                              losses=((loss.detach(), 1 if n is None or summed else n),))
         if not isinstance(n, torch.Tensor):
@@ -203,6 +204,46 @@ class Accumulator(WindowHooks):
         self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
         self._guard.note()
         return self._commit(nxt)
+
+    def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
+                        chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
+                        ) -> bool:
+        """Feed one batch whose loss couples its examples (contrastive), at one chunk's memory.
+
+        The whole batch's exact gradient by representation caching, as one micro-batch of the
+        window (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk
+        again with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
+
+        Args:
+            encode: ``encode(chunk)`` gives a tensor or tuple of tensors, dim 0 the chunk's examples.
+            loss_fn: ``loss_fn(*reps)`` gets each output concatenated over chunks (and ranks) and
+                returns the scalar loss; non-floating outputs (labels) carry no grad.
+            chunks: the batch's micro-batches, a non-empty iterable (:func:`gradaccum.chunks`).
+            n_items: the batch's items (this rank's), as for :meth:`backward`.
+            reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the items.
+
+        Returns:
+            True when this call completed the window and the optimizer stepped.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
+                not tensors, without dim 0 or grad, or changing; a non-scalar loss). Then, and if
+                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as
+                they were.
+
+        Example:
+            >>> import gradaccum
+            >>> enc = torch.nn.Linear(4, 3)
+            >>> acc = Accumulator(torch.optim.SGD(enc.parameters(), lr=0.1), steps=1, model=enc)
+            >>> loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
+            >>> acc.backward_cached(enc, loss_fn, gradaccum.chunks(torch.randn(10, 4), 4))
+            True
+        """
+        n = check_items(n_items, reduction)
+        self._before_feed(self._window)
+        window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+        self._guard.note()
+        return self._commit(window)
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -233,7 +274,7 @@ class Accumulator(WindowHooks):
         summed = reduction == "sum"
         window = self._window
         self._before_feed(window)
-        term, scale = self._later(window, n) if window.micro_step else self._first(window, n)
+        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
         pending = window.advance(term, scale=scale, summed=summed)
         check_total(pending.items)
 
@@ -305,23 +346,6 @@ class Accumulator(WindowHooks):
         self._window = Window.open(self.schedule(count), basis)
         self._sync.prepare(self._window.next_is_last)
 
-    def _first(self, window: Window, n: Any) -> tuple[Any, Any]:
-        """For a window's first micro-batch: ``n`` as the first term of the item total (a tensor
-        total starts as a wide copy) and the window's provisional total (core.window's rule;
-        the ranks agree once, on the run's first, in one small collective)."""
-        if n is None:
-            return None, None
-        tensor = isinstance(n, torch.Tensor)
-        term = wide_count(n) if tensor else n
-        # A provisional total where it is needed (gradients that can overflow) or free (Python
-        # counts on one process: host arithmetic, and no pass for a window of equal counts).
-        if not (self._precision.overflow_prone or (not tensor and self._sync.world_size == 1)):
-            return term, None
-        count = window.first_count(n)
-        if window.basis is None and self._sync.world_size > 1:
-            count = self._sync.agree_count(count)
-        return term, exact_total(count, window.size)
-
     def _before_feed(self, window: Window) -> None:
         """Before a micro-batch's backward: its window's first is checked against the other
         accumulators (torch/_holders.py), a later one against gradients changed outside
@@ -330,16 +354,6 @@ class Accumulator(WindowHooks):
             self._guard.check(window.micro_step, window.size)
         else:
             self._holders.check_first(self)
-
-    @staticmethod
-    def _later(window: Window, n: Any) -> tuple[Any, Any]:
-        """For a later micro-batch: ``n`` as a term of the item total and the window's ``P``. A
-        tensor count joining a Python total (``len(batch)`` then ``mask.sum()``) is added as a
-        wide copy, as a first tensor count is: the total must not take the count's integer dtype
-        (rounded to float32 when divided by) or its narrow float dtype."""
-        if isinstance(n, torch.Tensor) and not isinstance(window.items, torch.Tensor):
-            return wide_count(n), window.scale
-        return n, window.scale
 
     def _commit(self, window: Window) -> bool:
         self._window = window

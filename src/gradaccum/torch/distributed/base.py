@@ -17,7 +17,8 @@ Both distributed classes take a mode: ``"window"`` (one gradient sync per window
 gradients between micro-batches, at N times the reduce-scatter traffic).
 
 The accumulator calls, in order: :meth:`GradSync.prepare` when a window opens, is resized or
-restored, and once more before the window's last micro-batch (``True``: that backward reduces);
+restored, and once more before the window's last micro-batch (``True``: that backward reduces),
+and :meth:`GradSync.pause` before each chunk of ``backward_cached`` but the last;
 :meth:`GradSync.agree_count` once, at the run's first item-weighted micro-batch (the ranks' first
 provisional total); :meth:`GradSync.sync_partial` from ``flush()`` on every rank (a partial
 window's gradients were never reduced); :meth:`GradSync.check_forward` and
@@ -59,8 +60,13 @@ class GradSync(Protocol):
 
     world_size: int
 
-    def prepare(self, sync_next: bool) -> None:
-        """Set whether the next micro-batch's backward reduces gradients across ranks."""
+    def prepare(self, sync_next: bool) -> bool:
+        """Set whether the next micro-batch's backward reduces gradients across ranks; return
+        whether it will (``sync_next``, or every backward in ``"micro_batch"`` mode)."""
+
+    def pause(self) -> None:
+        """No reduction in the next backward, whatever the mode (a chunk of ``backward_cached``
+        before the micro-batch's last: its backward reduces the sum once)."""
 
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Reduce a flushed window's gradients now; called on every rank, even with 0 micro-steps."""
@@ -98,8 +104,12 @@ class LocalSync:
 
     world_size = 1
 
-    def prepare(self, sync_next: bool) -> None:
-        """Nothing to prepare."""
+    def prepare(self, sync_next: bool) -> bool:
+        """Nothing to prepare: no backward reduces."""
+        return False
+
+    def pause(self) -> None:
+        """Nothing to pause."""
 
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Nothing to synchronize."""

@@ -105,6 +105,44 @@ class RankGroups:
             for t, synced in zip(group, torch.split(flat, [t.numel() for t in group]), strict=True):
                 t.copy_(synced.view_as(t))
 
+    @property
+    def rank(self) -> int:
+        """This process's rank among the data-parallel ranks (of :meth:`gather_objects`)."""
+        return int(dist.get_rank(self._single_group()))
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small and picklable), in rank order (``all_gather_object``).
+
+        Raises:
+            ValueError: the ranks span several process groups (an FSDP2 mesh of more than one
+                dimension), whose rank order one gather cannot give.
+        """
+        group = self._single_group()
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def gather_rows(self, tensor: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order, where rank ``r`` holds
+        ``rows[r]`` rows (ranks may differ: each is padded to the largest for the collective).
+        The result is a new tensor without grad; a bool tensor travels as uint8."""
+        group = self._single_group()
+        send = tensor.detach()
+        wire = torch.uint8 if send.dtype == torch.bool else send.dtype
+        longest = max(rows)
+        padded = send.new_zeros((longest, *send.shape[1:]), dtype=wire)
+        padded[: send.shape[0]] = send
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)]).to(send.dtype)
+
+    def _single_group(self) -> Any:
+        if len(self.groups) != 1:
+            raise ValueError(f"backward_cached gathers representations over one process group; these "
+                             f"ranks span {len(self.groups)} (a multi-dimensional FSDP2 mesh): "
+                             "shard over a 1-D mesh")
+        return self.groups[0]
+
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of ``values`` over every data-parallel rank (one MAX
         all-reduce per process group)."""

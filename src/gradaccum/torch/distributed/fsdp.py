@@ -43,9 +43,15 @@ class FSDPSync(RankGroups):
         self.module = module
         self.watch_forward(module)  # type: ignore[arg-type]
 
-    def prepare(self, sync_next: bool) -> None:
+    def prepare(self, sync_next: bool) -> bool:
         """Turn FSDP2's gradient reduction on for the window's last backward only."""
-        self.module.set_requires_gradient_sync(sync_next or self.mode == "micro_batch")
+        armed = sync_next or self.mode == "micro_batch"
+        self.module.set_requires_gradient_sync(armed)
+        return armed
+
+    def pause(self) -> None:
+        """Turn FSDP2's gradient reduction off for the next backward (its gradients stay local)."""
+        self.module.set_requires_gradient_sync(False)
 
     def sync_partial(self, params: Sequence[torch.Tensor], micro_steps: int) -> None:
         """Reduce-scatter the unsharded gradients a flushed window holds, as its last backward would.
