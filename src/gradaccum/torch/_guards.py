@@ -28,6 +28,11 @@ import torch
 
 __all__ = ["Guard"]
 
+# Hooks of dropped accumulators, taken off when the next Guard is made: an accumulator can be
+# collected while the optimizer iterates over its hooks (a collection triggered inside one),
+# where removing a hook would change the dict being iterated.
+_RETIRED: list[Any] = []
+
 
 class Guard:
     """The guards of one accumulator.
@@ -59,6 +64,8 @@ class Guard:
         inner: Any = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
+        while _RETIRED:
+            _RETIRED.pop().remove()
         self._handle = inner.register_step_pre_hook(refuse_foreign_step)
 
     @contextmanager
@@ -105,5 +112,6 @@ class Guard:
             "window (its gradients are lost)")
 
     def remove(self) -> None:
-        """Take the step hook off the optimizer."""
-        self._handle.remove()
+        """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
+        optimizer when the next accumulator is made."""
+        _RETIRED.append(self._handle)
