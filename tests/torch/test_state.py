@@ -107,3 +107,49 @@ def test_load_state_from_other_parameters_is_refused():
     with pytest.raises(TypeError, match="state"):
         acc.load_state_dict({"foo": 1})
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def _partial_state(n_items):
+    """A fresh accumulator's target and a state holding one micro-batch of two (item-weighted
+    under a GradScaler, so the window has a provisional total)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    acc = gradaccum.Accumulator(opt, 2, scaler=scaler)
+    x, y = data(MICRO)
+    acc.backward(nn.functional.cross_entropy(model(x), y), n_items)
+    state = acc.state_dict()
+    del acc
+    target = gradaccum.Accumulator(opt, 2, scaler=scaler)
+    return model, target, state
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("scale", torch.tensor(0.0), r"state\['window'\]\['scale'\] must be > 0"),
+    ("scale", 0, r"state\['window'\]\['scale'\] must be None or a number > 0"),
+    ("size", 2**70, r"state\['window'\]\['size'\] is 1180591620717411303424, but steps=2 gives 2"),
+    ("size", 3, r"state\['window'\]\['size'\] is 3, but steps=2 gives 2"),
+])
+def test_a_state_whose_window_cannot_be_right_is_refused_before_any_change(field, value, message):
+    # A zero provisional total made the next boundary's parameters NaN; a window of 2**70 never
+    # stepped again; a size other than steps completed early or late (all accepted before).
+    model, target, state = _partial_state(torch.tensor(3))
+    state["window"][field] = value
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert target.micro_step == 0 and target.steps == 2
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+@pytest.mark.parametrize("n_items, message", [
+    (torch.tensor(2**53 + 1), "beyond float64's exact integer range"),  # the int was refused already
+    (torch.tensor(3, device="meta"), "n_items must be a dense tensor with a value"),
+])
+def test_tensor_counts_are_checked_like_numbers(n_items, message):
+    model = mlp()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    x, y = data(MICRO)
+    with pytest.raises(ValueError, match=message):
+        acc.backward(nn.functional.cross_entropy(model(x), y), n_items)
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
