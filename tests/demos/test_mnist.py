@@ -56,3 +56,17 @@ def test_corrupt_file_fails_its_md5(copy_dir):
 def test_unknown_split():
     with pytest.raises(ValueError, match="split"):
         load_mnist("validation")
+
+
+def test_a_gzip_bomb_is_refused_without_unpacking_it_whole(tmp_path):
+    import gzip
+
+    from gradaccum.demos.mnist import MAX_UNPACKED_BYTES, read_idx
+
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:
+        for _ in range(MAX_UNPACKED_BYTES // 2**20 + 2):
+            f.write(bytes(2**20))
+    assert bomb.stat().st_size < 2**20  # a small file that would unpack to 66 MiB
+    with pytest.raises(ValueError, match="unpacks to more than 64 MiB"):
+        read_idx(bomb)

@@ -7,7 +7,6 @@ The wheel carries no data: the four files are found in a folder the user names, 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import struct
 import zlib
@@ -38,6 +37,22 @@ def default_data_dir() -> Path:
     return find_mnist()
 
 
+# MNIST's largest file unpacks to 47,040,016 bytes: a file that unpacks to more is no MNIST file
+# (a gzip bomb from a bad mirror is refused without unpacking it whole).
+MAX_UNPACKED_BYTES = 64 * 2**20
+
+
+def _gunzip(data: bytes) -> bytes:
+    """``gzip.decompress`` of one member, refusing more than :data:`MAX_UNPACKED_BYTES`."""
+    inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    raw = inflate.decompress(data, MAX_UNPACKED_BYTES + 1)
+    if len(raw) > MAX_UNPACKED_BYTES:
+        raise ValueError(f"unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB: not an MNIST file")
+    if not inflate.eof:
+        raise EOFError("compressed file ended before the end-of-stream marker was reached")
+    return raw
+
+
 def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
     """Read one gzipped IDX file into a uint8 array.
 
@@ -57,7 +72,7 @@ def read_idx(path: Path, md5: str | None = None) -> NDArray[np.uint8]:
         raise FileNotFoundError(f"MNIST file {path.name} not found in {path.parent} "
                                 "(use --data DIR to point at a copy)")
     try:
-        raw = gzip.decompress(path.read_bytes())
+        raw = _gunzip(path.read_bytes())
     except (OSError, EOFError, zlib.error) as err:
         raise ValueError(f"MNIST file {path} is truncated or not gzip: {err}") from err
     if md5 is not None and hashlib.md5(raw).hexdigest() != md5:
