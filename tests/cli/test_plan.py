@@ -23,9 +23,21 @@ def test_plan_reports_figures_recommends_and_checks_within_ten_percent(capsys):
     assert abs(predicted - measured) <= 0.1 * measured
 
 
-def test_budget_below_the_floor_is_a_clear_error(capsys):
-    assert main(["plan", *FAST, "--global-batch", "64", "--budget", "1KiB"]) == 2
-    assert re.search(r"error: budget 1\.0 KiB .* is below the floor", capsys.readouterr().err)
+@pytest.mark.parametrize("batch", [["--global-batch", "64"], []])
+def test_budget_below_the_floor_is_a_clear_error(batch, capsys):
+    # Without --global-batch too: a table of "no" in every row would be exit 0 for a budget
+    # nothing fits.
+    assert main(["plan", *FAST, *batch, "--budget", "1KiB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(r"error: budget 1\.0 KiB .* is below the floor", err)
+
+
+def test_budget_above_the_floor_without_a_global_batch_reports_the_table(capsys):
+    # The negative twin: a budget that fits exits 0 and marks each row.
+    assert main(["plan", *FAST, "--budget", "1GiB"]) == 0
+    assert "  yes" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [

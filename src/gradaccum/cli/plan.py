@@ -143,6 +143,11 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--model {args.model} raised {type(error).__name__} on input shape "
                              f"{'x'.join(map(str, shape))}: {one_line(error)}") from error
         raise
+    if budget is not None:
+        try:  # a budget below the floor fits no micro-batch: an error, with or without --global-batch
+            est.max_micro_batch(budget)
+        except ValueError as error:
+            raise UsageError(one_line(error)) from None
     _report(args, est, model, shape, device, budget)
     check = None if args.check in (None, RECOMMENDED) else (args.check, args.check_steps)
     if args.global_batch and budget:
