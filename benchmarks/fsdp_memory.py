@@ -17,10 +17,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,6 +97,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
     p.add_argument("--micro-batch", type=int, default=16, help="samples per micro-batch (default 16)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--json", type=Path, default=None, help="also write the table and the machine here")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     rows = []
@@ -106,7 +109,8 @@ def main() -> None:
         mp.spawn(worker, args=(args, mode, port, out), nprocs=args.world)
         got = sorted(out.get() for _ in range(args.world))
         rows.append((mode, max(r[1] for r in got), max(r[2] for r in got), got[0][3]))
-    for key, value in describe_machine().items():
+    machine = describe_machine()
+    for key, value in machine.items():
         print(f"{key:>14}: {value}")
     params = rows[0][3]
     print(f"{'setup':>14}: FSDP2 fully_shard per Linear + root, gloo, {args.world} processes, steps "
@@ -117,6 +121,14 @@ def main() -> None:
     print("|---|---|---|")
     for mode, held, rss, _ in rows:
         print(f"| {mode} | {held / MIB:.1f} | {rss:.1f} |")
+    if args.json is not None:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({
+            "machine": machine, "settings": settings, "params_millions": params / 1e6,
+            "unsharded_grad_mib": params * 4 / MIB,
+            "rows": {mode: {"held_mib": held / MIB, "peak_rss_growth_mib": rss}
+                     for mode, held, rss, _ in rows},
+        }, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ micro-batch 32 x 2) after a seeded perturbation of those free lists (small tenso
 every other one freed), with the window losses kept in a list (the old trainer) or written into
 one buffer (the trainer now), in one fresh process per run (the heap is per process).
 
-    python benchmarks/heap_growth.py [--seeds 0-7] [--windows 900]
+    python benchmarks/heap_growth.py [--seeds 0-7] [--windows 900] [--json docs/results/heap_growth.json]
 
 Linux with glibc only (it reads ``mallinfo2``).
 """
@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 from gradaccum.cli.info import describe_machine
 
@@ -66,7 +68,7 @@ print((libc.mallinfo2().arena - start) / 2**20)
 
 
 def growth(keep: str, seed: int, windows: int) -> float:
-    """The heap's growth in MB over ``windows`` windows, in a fresh process."""
+    """The heap's growth in MiB over ``windows`` windows, in a fresh process."""
     out = subprocess.run([sys.executable, "-c", CHILD, keep, str(seed), str(windows)],
                          capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
@@ -76,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="0-7", help="perturbation seeds, FIRST-LAST")
     parser.add_argument("--windows", type=int, default=900, help="windows per run (an epoch: 938)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the table and the machine here")
     args = parser.parse_args()
     if not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
         raise SystemExit("needs glibc >= 2.33 (mallinfo2)")
@@ -83,13 +86,27 @@ def main() -> None:
     machine = describe_machine()
     print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs); torch {machine['torch']}; "
           f"threads: {machine['torch_threads']}; malloc: {machine['malloc']}")
-    print(f"\nheap growth (MB) over {args.windows} windows of 32 x 2, per perturbation seed\n")
+    print(f"\nheap growth (MiB) over {args.windows} windows of 32 x 2, per perturbation seed\n")
     print("| seed | losses kept in a list (old trainer) | losses in one buffer (trainer now) |")
     print("|---|---|---|")
+    rows = {"list": {}, "buffer": {}}
     for seed in range(first, last + 1):
         # Interleaved: A then B for each seed.
-        print(f"| {seed} | {growth('list', seed, args.windows):.1f} | "
-              f"{growth('buffer', seed, args.windows):.1f} |", flush=True)
+        rows["list"][str(seed)] = growth("list", seed, args.windows)
+        rows["buffer"][str(seed)] = growth("buffer", seed, args.windows)
+        print(f"| {seed} | {rows['list'][str(seed)]:.1f} | {rows['buffer'][str(seed)]:.1f} |", flush=True)
+    if args.json is not None:
+        summary = {k: {"min": min(v.values()), "max": max(v.values())} for k, v in rows.items()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": {**machine, "glibc": _glibc()},
+                                         "settings": {"seeds": args.seeds, "windows": args.windows,
+                                                      "micro_batch": 32, "steps": 2},
+                                         "growth_mib": rows, "summary": summary}, indent=2) + "\n")
+
+
+def _glibc() -> str:
+    import platform
+    return " ".join(platform.libc_ver())
 
 
 if __name__ == "__main__":

@@ -17,10 +17,12 @@ weight decay, gradient clipping at 1.0), interleaved step by step in one process
 
 It prints the machine, versions and threads, and a table of the largest absolute parameter
 difference from the full batch after some steps, and the mean training loss of the last steps;
-``--plot`` draws the loss curves, and the loss and parameter differences over the steps.
+``--plot`` draws the loss curves, and the loss and parameter differences over the steps;
+``--json`` writes the table, the settings and the machine as a results file.
 
     python benchmarks/lm_token_weighting.py [--steps 200] [--micro 4] [--accum 4] [--dtype float64]
         [--threads 1] [--layers 2] [--width 96] [--seq 48] [--plot docs/lm_token_weighting.png]
+        [--json docs/results/lm_token_weighting.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import glob
+import json
 import os
 import sys
 import time
@@ -167,6 +170,25 @@ def table(arms: Sequence[Arm], marks: Sequence[int], last: int) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def write_json(path: str, arms: Sequence[Arm], marks: Sequence[int], machine: dict[str, str],
+               settings: dict[str, object]) -> None:
+    """The table as a results file: each run's parameter difference after each mark (by step
+    count), its mean loss over the last steps, and the range of its loss gap to the full batch."""
+    last = int(settings["last"])  # type: ignore[call-overload]
+    runs = {}
+    for arm in arms:
+        gaps = [abs(a - b) for a, b in zip(arm.losses, arms[0].losses, strict=True)]
+        runs[arm.name] = {"diff_after": {str(m): arm.diffs[m - 1] for m in marks},
+                          "loss_last": sum(arm.losses[-last:]) / len(arm.losses[-last:]),
+                          "loss_gap_min": min(gaps), "loss_gap_max": max(gaps)}
+    final = str(marks[-1])
+    ratio = runs["naive loss / N"]["diff_after"][final] / runs["gradaccum"]["diff_after"][final]
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "settings": settings, "runs": runs,
+                   "naive_over_gradaccum_final": ratio}, f, indent=2)
+        f.write("\n")
+
+
 def plot(arms: Sequence[Arm], path: str, title: str) -> None:
     import matplotlib
 
@@ -210,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> list[Arm]:
     p.add_argument("--width", type=int, default=96, help="n_embd (default 96)")
     p.add_argument("--seq", type=int, default=48, help="the longest sequence, >= 8 (default 48)")
     p.add_argument("--plot", help="write the loss curves and differences to this PNG")
+    p.add_argument("--json", help="write the table, settings and machine to this results file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4,
@@ -229,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> list[Arm]:
     print(table(arms, marks, min(20, args.steps)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     print(f"\n{wall:.0f} s wall, {cpu:.0f} s of process CPU time")
+    if args.json:
+        settings = {**vars(args), "params": params, "files": files, "last": min(20, args.steps),
+                    "batch": args.micro * args.accum, "wall_s": wall, "cpu_s": cpu}
+        write_json(args.json, arms, marks, machine, settings)
     if args.plot:
         plot(arms, args.plot, f"GPT, {params:,} parameters, {args.dtype}: {args.micro} x {args.accum} "
                               f"micro-batches against a batch of {args.micro * args.accum}")

@@ -10,6 +10,7 @@ The table shows the bytes of Parameters each accumulator holds and the median gr
 resident set over the repeats.
 
     python benchmarks/mindspore_memory.py [--widths 512,4096] [--repeats 3]
+        [--json docs/results/mindspore_memory.json]
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--widths", default="512,4096", help="hidden widths of the MLP (512: the seed's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None, help="also write the table and the machine here")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     if args.child:
@@ -117,16 +119,28 @@ def main() -> None:
     print("\n| MLP width | parameters (MB) | case | Parameters held (MB) | RSS growth, median (MB) |")
     print("|---|---|---|---|---|")
     mb = 2**20
+    table: dict[str, dict[str, dict[str, float]]] = {}
     for width in widths:
         runs: dict[str, list[dict[str, int]]] = {c: [] for c in CASES}
         for _ in range(args.repeats):
             for case in CASES:
                 runs[case].append(run_case(case, width))
+        cells = table[str(width)] = {}
         for case in CASES:
             growth = statistics.median(r["rss_growth"] for r in runs[case])
             first = runs[case][0]
+            cells[case] = {"param_mib": first["param_bytes"] / mb, "held_mib": first["owned_bytes"] / mb,
+                           "rss_growth_mib": growth / mb}
             print(f"| {width} | {first['param_bytes'] / mb:.1f} | {case} | {first['owned_bytes'] / mb:.2f} "
                   f"| {growth / mb:.1f} |")
+        grow = {case: cells[case]["rss_growth_mib"] for case in CASES}
+        cells["differences"] = {"written_minus_gradaccum": grow["tutorial-written"] - grow["gradaccum"],
+                                "gradaccum_minus_tutorial": grow["gradaccum"] - grow["tutorial"]}
+    if args.json is not None:
+        machine = {"machine": platform.machine(), "cpu_count": os.cpu_count(),
+                   "python": platform.python_version(), "mindspore": ms.__version__, "device": "CPU"}
+        args.json.write_text(json.dumps({"machine": machine, "settings": {"widths": widths,
+                                         "repeats": args.repeats}, "widths": table}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,17 @@ Both train the seed experiment (MNIST, MLP, SGD lr 0.01, micro-batch 32 x 2 step
 order) and evaluate after every epoch; the hand-written loop is the seed's (loss / N, backward,
 step + zero_grad every N). Runs alternate A, B, A, B in one process; the table reports medians.
 
-    python benchmarks/train_speed.py [--epochs 3] [--repeats 3]
+    python benchmarks/train_speed.py [--epochs 3] [--repeats 3] [--json docs/results/train_speed.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,9 +59,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit-train", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the table and the machine here")
     args = parser.parse_args()
     config = TrainConfig(epochs=args.epochs, progress=False, limit_train=args.limit_train)
-    for key, value in describe_machine().items():
+    machine = describe_machine()
+    for key, value in machine.items():
         print(f"{key}: {value}")
     hand_written(TrainConfig(epochs=1, limit_train=2048))  # warm-up: allocator, thread pools
     with_gradaccum(TrainConfig(epochs=1, limit_train=2048, progress=False))
@@ -71,9 +75,17 @@ def main() -> None:
     print(f"\n{config.epochs} epoch(s) of the seed experiment, {args.repeats} runs each, interleaved\n")
     print("| run | median (s) | all runs (s) | ratio |")
     print("|---|---|---|---|")
+    rows = {}
     for name, values in times.items():
         med = statistics.median(values)
+        rows[name] = {"median_s": med, "runs_s": values, "ratio": med / base}
         print(f"| {name} | {med:.1f} | {', '.join(f'{v:.1f}' for v in values)} | {med / base:.3f} |")
+    if args.json is not None:
+        settings = {"epochs": config.epochs, "repeats": args.repeats, "micro_batch": config.micro_batch,
+                    "steps": int(config.steps), "limit_train": args.limit_train}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":

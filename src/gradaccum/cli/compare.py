@@ -102,7 +102,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of compare's rows (one per setting)."""
     epochs = len(rows[0]["epochs"])
     head = ["setting"] + [f"epoch {e} acc / loss" for e in range(1, epochs + 1)]
-    head += [f"max abs param diff vs {rows[0]['setting']}", "time (s)", "peak RSS (MB)"]
+    head += [f"max abs param diff vs {rows[0]['setting']}", "time (s)", "peak RSS (MiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["setting"]]
