@@ -7,6 +7,7 @@ import torch
 
 from gradaccum.bench.loops import accelerate_available
 from gradaccum.cli import main
+from tests.doc_binding import REPO, Region, cited, mismatches, regions
 
 
 def _row(text, first_cell):
@@ -41,3 +42,10 @@ def test_smoke_run_writes_the_report_and_figures(tmp_path, capsys):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert int(cells[3].replace(",", "")) == 2 * int(cells[2].replace(",", ""))
         assert abs(int(cells[5].replace(",", ""))) < 64
+    # Every number of the report is bound to its key of the results file written beside it.
+    marked = regions(tmp_path / "BENCHMARKS.md")
+    assert len(marked) == 7 and {r.results for r in marked} == {str(tmp_path / "results" / "bench.json")}
+    for region in marked:
+        as_docs = Region(REPO / "README.md", region.results, region.keys, region.text, region.line)
+        assert mismatches(as_docs) == []
+        assert cited(region.text)  # each part holds numbers

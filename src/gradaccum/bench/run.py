@@ -13,13 +13,15 @@ from gradaccum.bench.exactness import run_exactness
 from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.overhead import run_overhead
 from gradaccum.bench.plots import plot_exactness, plot_memory, plot_overhead
-from gradaccum.bench.report import TIME_TARGET, Results, write_report
+from gradaccum.bench.report import Results, write_report
 from gradaccum.bench.resident import run_resident
+from gradaccum.bench.results import TIME_TARGET
 from gradaccum.bench.sweep import run_sweep
 
-__all__ = ["FIGURES", "REPORT", "run_bench"]
+__all__ = ["FIGURES", "REPORT", "RESULTS", "run_bench"]
 
 REPORT = "BENCHMARKS.md"
+RESULTS = "results/bench.json"  # beside the report: docs/results/bench.json by default
 FIGURES = {"overhead": "bench_overhead.png", "memory": "bench_memory.png",
            "exactness": "bench_exactness.png"}
 
@@ -79,4 +81,11 @@ def _run(out: Path, smoke: bool, dev: torch.device, malloc_compare: bool, comman
     plot_exactness(exactness, out / FIGURES["exactness"])
     results = Results(machine, command, time.perf_counter() - start, smoke, overhead, sweep,
                       exactness, resident, FIGURES)
-    return write_report(results, out / REPORT)
+    return write_report(results, out / REPORT, out / RESULTS, _cited_as(out / RESULTS))
+
+
+def _cited_as(path: Path) -> str:
+    """The results file as the report's markers name it: from the working directory (the
+    checkout's root, where ``gradaccum bench`` is run), else absolute."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else str(resolved)
