@@ -204,14 +204,16 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path("docs/batchnorm_results.json"))
     p.add_argument("--render", type=Path, default=None, help="only rewrite doc and plot from this JSON")
     args = p.parse_args()
+    from batchnorm_report import derive, render  # beside this script
+
     if args.render is not None:
         results = json.loads(args.render.read_text())
     else:
         torch.set_num_threads(args.threads)
         results = run_all(args)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-    from batchnorm_report import render  # beside this script
+    results["derived"] = derive(results)  # the page's ratios and spreads, bound to keys too
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
 
     plot(results, args.png)
     args.doc.write_text(render(results, args.png.name))

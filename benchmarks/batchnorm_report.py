@@ -1,9 +1,59 @@
-"""Render docs/BATCHNORM.md from the numbers of batchnorm_experiment.py (kept apart for length)."""
+"""Render docs/BATCHNORM.md from the numbers of batchnorm_experiment.py (kept apart for length).
+
+Every number the page states is written as ``[[key|format]]`` in the templates below, then
+formatted from the results and listed, in reading order, in its part's ``<!-- results: ... -->``
+marker (tests/test_doc_numbers.py reads the page against the file). Numbers derived from the
+results (a ratio, a spread) are added to the results under ``derived`` first.
+"""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from typing import Any
+
+RESULTS = "docs/batchnorm_results.json"
+PLACE = re.compile(r"\[\[([^|\]]+)\|([^\]]*)\]\]")
+
+
+def _get(data: Any, key: str) -> Any:
+    scale = re.match(r"^(.*)/(\d+)$", key)
+    path, factor = (scale.group(1), int(scale.group(2))) if scale else (key, 1)
+    for part in path.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data / factor if scale else data
+
+
+def _bound(template: str, results: dict[str, Any]) -> tuple[str, list[str]]:
+    """The template with each ``[[key|format]]`` formatted from ``results``, and the keys in order."""
+    keys: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        keys.append(match.group(1))
+        return format(_get(results, match.group(1)), match.group(2))
+
+    return PLACE.sub(fill, template), keys
+
+
+def _marked(template: str, results: dict[str, Any]) -> str:
+    """A part of the page between its results marker and ``<!-- /results -->``."""
+    return _marker(*_bound(template, results))
+
+
+def _marker(text: str, keys: list[str]) -> str:
+    lines = textwrap.wrap(" ".join(keys), 100, break_on_hyphens=False)
+    return "\n".join([f"<!-- results: {RESULTS}", *lines, "-->", text, "<!-- /results -->"])
+
+
+def derive(results: dict[str, Any]) -> dict[str, Any]:
+    """The numbers the recommendation derives from the runs, kept in the results as ``derived``."""
+    runs = {r["bn"] if i else "reference": r for i, r in enumerate(results["runs"])}
+    accs = [runs[k]["accuracy"][-1] for k in ("plain", "compound", "linear", "window")]
+    part_b = {r["name"]: r for r in results["restimate"]}
+    plain, compound = part_b["16x16 plain BN"], part_b["16x16 compound momentum"]
+    return {"bn_accuracy_min": min(accs), "bn_accuracy_max": max(accs),
+            "bn_accuracy_spread": max(accs) - min(accs),
+            "plain_over_compound_mean_distance": plain["mean_distance"][0] / compound["mean_distance"][0]}
 
 TOOLS = [
     ["`scale_momentum_(model, N, \"compound\")`",
@@ -30,77 +80,91 @@ def _early_late(values: list[float]) -> str:
     return f"{values[0]:.1e} / {values[-1]:.1e}" if values else "n/a (no running statistics)"
 
 
-def _recommendation(results: dict[str, Any]) -> str:
-    """The advice, with its numbers taken from this run's results."""
-    a = {r["bn"] if i else "reference": r for i, r in enumerate(results["runs"])}
-    b = {r["name"].split()[-2] if "momentum" in r["name"] else r["name"].split()[1]: r
-         for r in results["restimate"]}
-    accs = [a[k]["accuracy"][-1] for k in ("plain", "compound", "linear", "window")]
-    step = a["reference"]["trace_steps"][0]
-    ratio = b["plain"]["mean_distance"][0] / b["compound"]["mean_distance"][0]
-    e = len(a["window"]["accuracy"])
+def _recommendation(results: dict[str, Any]) -> tuple[str, list[str]]:
+    """The advice, each number a placeholder bound to the results (runs by index: 0 the 256x1
+    reference, 1 plain, 2 compound, 3 linear, 4 window, 5 GroupNorm; part B likewise, 0 to 4)."""
+    def first(i: int) -> str:  # part B, first layer: mean / var distance
+        return f"[[restimate.{i}.mean_distance.0|.0e]] / [[restimate.{i}.var_distance.0|.0e]]"
 
-    def first(mode: str) -> str:  # part B, first layer: mean / var distance
-        return f"{b[mode]['mean_distance'][0]:.0e} / {b[mode]['var_distance'][0]:.0e}"
+    def early(i: int) -> str:  # part A, running_var distance at the first recorded step
+        return f"[[runs.{i}.var_distance.0|.0e]]"
 
-    def early(mode: str) -> str:  # part A, running_var distance at the first recorded step
-        return f"{a[mode]['var_distance'][0]:.0e}"
-
+    step = "[[runs.0.trace_steps.0|]]"
     items = [
-        f"**For accuracy on this model, plain BatchNorm is fine.** The four 16x16 BatchNorm treatments "
-        f"train the same weights and end within {max(accs) - min(accs):.2f} points of each other "
-        f"({min(accs):.2f} to {max(accs):.2f}%, a few of the 10,000 test images). In part B, plain BN's "
-        f"first-layer running mean is {ratio:.0f} times further from the full batch's than under the "
-        f"compound rule (mean / var distances "
-        f"{first('plain')} against {first('compound')}), and still gives "
-        f"{b['plain']['accuracy']:.2f}% against {b['window']['accuracy']:.2f}%.",
-        f"**When the running statistics must match the large-batch run** (evaluating early in "
-        f"training, reproducing or comparing with a 256x1 baseline, exporting a model whose eval "
-        f"statistics matter), **use `window_batchnorm`**: exact for a layer whose input does not pass "
-        f"through an earlier BatchNorm (part B, first layer: {first('window')}, float32 rounding), no "
+        "**For accuracy on this model, plain BatchNorm is fine.** The four 16x16 BatchNorm treatments "
+        "train the same weights and end within [[derived.bn_accuracy_spread|.2f]] points of each other "
+        "([[derived.bn_accuracy_min|.2f]] to [[derived.bn_accuracy_max|.2f]]%, a few of the "
+        "[[settings.test_items|,]] test images). In part B, plain BN's first-layer running mean is "
+        "[[derived.plain_over_compound_mean_distance|.0f]] times further from the full batch's than "
+        f"under the compound rule (mean / var distances {first(1)} against {first(2)}), and still gives "
+        "[[restimate.1.accuracy|.2f]]% against [[restimate.4.accuracy|.2f]]%.",
+        "**When the running statistics must match the large-batch run** (evaluating early in "
+        "training, reproducing or comparing with a 256x1 baseline, exporting a model whose eval "
+        "statistics matter), **use `window_batchnorm`**: exact for a layer whose input does not pass "
+        f"through an earlier BatchNorm (part B, first layer: {first(4)}, float32 rounding), no "
         f"extra pass over the activations, and pooled across DDP ranks with `sync=True`. At step {step} "
-        f"of training its running variance was {early('window')} from the reference run's, plain BN's "
-        f"{early('plain')}.",
-        f"**The compound momentum rule is the simplest alternative** (no layer swapped, nothing to "
-        f"commit, no Accumulator needed) and lands close to window BN (part B: {first('compound')}; "
-        f"step {step}: {early('compound')}). The linear rule is close at N = 16 as well (part B: "
-        f"{first('linear')}; step {step}: {early('linear')}), but it forgets the old statistics more "
-        f"slowly than one full step does.",
-        f"**No running-statistics treatment changes training.** Layers after the first see inputs "
-        f"normalized by micro-batch statistics: in part B window BN and both momentum rules sit at the "
-        f"same {b['window']['var_distance'][1]:.0e} running_var distance on the second layer, and the "
-        f"16x16 weights differ from the 256x1 weights for the same reason. The accuracy gap that leaves "
-        f"({a['reference']['accuracy'][-1]:.2f}% for 256x1 against {a['window']['accuracy'][-1]:.2f}% after "
-        f"{e} epochs) is one seed's, and it was reversed after epoch 2 "
-        f"({a['reference']['accuracy'][1]:.2f}% against {a['window']['accuracy'][1]:.2f}%).",
-        f"**GroupNorm** is the one choice that makes accumulation exact for the whole model (any split of "
-        f"the batch gives the same gradients), but it is another model, to train and tune as such: here "
-        f"{', '.join(f'{x:.2f}' for x in a['groupnorm']['accuracy'])}% after epochs 1 to {e} with the "
-        f"BatchNorm model's learning rate. Choose it when training from scratch with micro-batches so "
-        f"small that batch statistics mean little, not to fix a trained BatchNorm model.",
+        f"of training its running variance was {early(4)} from the reference run's, plain BN's "
+        f"{early(1)}.",
+        "**The compound momentum rule is the simplest alternative** (no layer swapped, nothing to "
+        f"commit, no Accumulator needed) and lands close to window BN (part B: {first(2)}; "
+        f"step {step}: {early(2)}). The linear rule is close here as well (part B: "
+        f"{first(3)}; step {step}: {early(3)}), but it forgets the old statistics more "
+        "slowly than one full step does.",
+        "**No running-statistics treatment changes training.** Layers after the first see inputs "
+        "normalized by micro-batch statistics: in part B window BN and both momentum rules sit at the "
+        "same [[restimate.4.var_distance.1|.0e]] running_var distance on the second layer, and the "
+        "16x16 weights differ from the 256x1 weights for the same reason. The accuracy gap that leaves "
+        "([[runs.0.accuracy.-1|.2f]]% for 256x1 against [[runs.4.accuracy.-1|.2f]]% after "
+        "[[settings.epochs|]] epochs) is one seed's, and it was reversed after the second epoch "
+        "([[runs.0.accuracy.1|.2f]]% against [[runs.4.accuracy.1|.2f]]%).",
+        "**GroupNorm** is the one choice that makes accumulation exact for the whole model (any split of "
+        "the batch gives the same gradients), but it is another model, to train and tune as such: here "
+        + ", ".join(f"[[runs.5.accuracy.{e}|.2f]]" for e in range(len(results["runs"][5]["accuracy"])))
+        + "% after each of the [[settings.epochs|]] epochs with the "
+        "BatchNorm model's learning rate. Choose it when training from scratch with micro-batches so "
+        "small that batch statistics mean little, not to fix a trained BatchNorm model.",
     ]
-    return "\n".join(textwrap.fill(text, 100, initial_indent=f"{i}. ", subsequent_indent="   ")
-                     for i, text in enumerate(items, 1))
+    filled = [_bound(item, results) for item in items]  # formatted first, then wrapped
+    text = "\n".join(textwrap.fill(t, 100, initial_indent=f"{i}. ", subsequent_indent="   ")
+                     for i, (t, _) in enumerate(filled, 1))
+    return text, [k for _, keys in filled for k in keys]
+
+
+def _cells(i: int, r: dict[str, Any]) -> list[str]:
+    k = f"runs.{i}"
+    acc = [f"[[{k}.accuracy.{e}|.2f]]" for e in range(len(r["accuracy"]))]
+    if i == 0:
+        dist = [f"[[{k}.mean_distance.0|g]]", f"[[{k}.var_distance.0|g]]"]  # the reference: 0
+    elif r["mean_distance"]:
+        dist = [f"[[{k}.{d}.0|.1e]] / [[{k}.{d}.-1|.1e]]" for d in ("mean_distance", "var_distance")]
+    else:
+        dist = ["n/a (no running statistics)"] * 2
+    return [r["name"], *acc, f"[[{k}.train_loss.-1|.4f]]", *dist, f"[[{k}.seconds_per_epoch|.0f]]"]
 
 
 def render(results: dict[str, Any], png: str) -> str:
-    """The whole document, from the results dict."""
+    """The whole document, from the results dict (with its ``derived`` numbers)."""
     s, runs, part_b = results["settings"], results["runs"], results["restimate"]
-    machine = "\n".join(f"| {k} | {v} |" for k, v in results["machine"].items())
+    machine = "\n".join(f"| {k} | {v if k in ('cpu_count', 'torch_threads') else f'`{v}`'} |"
+                        for k, v in results["machine"].items())
+    machine_keys = " ".join(f"machine.{k}" for k in ("cpu_count", "torch_threads"))
     epochs = s["epochs"]
     first = runs[0]["trace_steps"][0] if runs[0]["trace_steps"] else 0
-    train_rows = [[r["name"], *(f"{a:.2f}" for a in r["accuracy"]), f"{r['train_loss'][-1]:.4f}",
-                   *(_early_late(r[k]) if i else "0" for k in ("mean_distance", "var_distance")),
-                   f"{r['seconds_per_epoch']:.0f}"]
-                  for i, r in enumerate(runs)]
+    train_rows = [_cells(i, r) for i, r in enumerate(runs)]
     train_header = ["variant", *(f"test acc. epoch {e + 1} (%)" for e in range(epochs)),
                     f"train loss epoch {epochs}", f"running_mean distance, step {first} / end",
                     f"running_var distance, step {first} / end", "s / epoch"]
     n_layers = len(part_b[0]["mean_distance"])
     b_header = ["treatment", *(f"BN{i + 1} {what} distance" for i in range(n_layers)
                                for what in ("running_mean", "running_var")), "test acc. (%)"]
-    b_rows = [[r["name"], *(f"{d:.1e}" for pair in zip(r["mean_distance"], r["var_distance"], strict=True)
-                            for d in pair), f"{r['accuracy']:.2f}"] for r in part_b]
+    b_rows = [[r["name"], *(f"[[restimate.{j}.{d}.{i}|.1e]]" for i in range(n_layers)
+                            for d in ("mean_distance", "var_distance")), f"[[restimate.{j}.accuracy|.2f]]"]
+              for j, r in enumerate(part_b)]
+    took = ("It took [[settings.total_seconds/60|.0f]] minutes on the machine below with "
+            "[[settings.threads|]] torch thread\n(the machine was shared with other jobs and the load "
+            "varied, heaviest during the first runs: the\nseconds per epoch below are not a speed "
+            "comparison).")
+    took_part = _marked(took, results)
     return f"""# BatchNorm under gradient accumulation
 
 A BatchNorm layer depends on the batch: under accumulation it sees micro-batches. In training it
@@ -136,9 +200,7 @@ Reproduce (writes this file, `{png}` and `batchnorm_results.json`):
 
     {s['command']}
 
-It took {s['total_seconds'] / 60:.0f} minutes on the machine below with {s['threads']} torch thread
-(the machine was shared with other jobs and the load varied, heaviest during the first runs: the
-seconds per epoch below are not a speed comparison).
+{took_part}
 
 ### A. Training: accuracy and distance of the running statistics to the reference run's
 
@@ -150,9 +212,7 @@ runs train the very same weights (the training forward never reads the running s
 test pins it bitwise), so among them only the running statistics, and with them the eval-mode
 accuracy, differ.
 
-<!-- results: docs/batchnorm_results.json -->
-{_table(train_header, train_rows)}
-<!-- /results -->
+{_marked(_table(train_header, train_rows), results)}
 
 ![BatchNorm under accumulation]({png})
 
@@ -162,17 +222,17 @@ The trained 256x1 weights; running statistics reset, then re-estimated by {s['st
 of training-mode forwards (no weight change) under each treatment; distance to the 256x1 estimate
 and the test accuracy with those statistics.
 
-<!-- results: docs/batchnorm_results.json -->
-{_table(b_header, b_rows)}
-<!-- /results -->
+{_marked(_table(b_header, b_rows), results)}
 
 ## Recommendation
 
-{_recommendation(results)}
+{_marker(*_recommendation(results))}
 
 ## Machine
 
-<!-- results: docs/batchnorm_results.json -->
+<!-- results: {RESULTS}
+{machine_keys}
+-->
 | key | value |
 |---|---|
 {machine}
