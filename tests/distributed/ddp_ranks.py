@@ -245,6 +245,48 @@ def acceptance(rank: int, world: int) -> dict[str, Any]:
             "optimizer_steps": acc.optimizer_steps, "batch_error": batch_error}
 
 
+def collectives(rank: int, world: int) -> dict[str, Any]:
+    """Every all-reduce, per micro-batch and per flush: DDP's (its comm hook, one call per bucket)
+    and the accumulator's own (all through ``RankGroups.all_reduce``), with their bytes.
+
+    Two windows by the mean, one item-weighted window, then a partial window of 2 flushed.
+    """
+    from gradaccum.torch.distributed.collectives import RankGroups
+
+    ddp = DDP(mlp())
+    count = counted(ddp)
+    own = {"calls": 0, "bytes": 0}
+    real = RankGroups.all_reduce
+
+    def all_reduce(self: RankGroups, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+        own["calls"] += 1
+        own["bytes"] += tensor.numel() * tensor.element_size()
+        real(self, tensor, op)
+
+    acc = gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), STEPS, model=ddp)
+    events: list[dict[str, Any]] = []
+
+    def record(what: str, call: Any) -> None:
+        before = (count["calls"], own["calls"], own["bytes"])
+        call()
+        events.append({"what": what, "ddp": count["calls"] - before[0], "own": own["calls"] - before[1],
+                       "own_bytes": own["bytes"] - before[2]})
+
+    RankGroups.all_reduce = all_reduce  # type: ignore[method-assign]
+    try:
+        for w, (fed, weighted) in enumerate([(STEPS, False), (STEPS, False), (STEPS, True), (2, False)]):
+            x, y = data(world * fed * MICRO, seed=800 + w)
+            for i, (xb, yb) in enumerate(share(x, y, rank, fed, MICRO)):
+                n = len(yb) if weighted else None
+                record(f"window {w} micro-batch {i}", lambda xb=xb, yb=yb, n=n: acc.backward(
+                    cross_entropy(ddp(xb), yb), n_items=n))
+        record("flush", acc.flush)
+    finally:
+        RankGroups.all_reduce = real  # type: ignore[method-assign]
+    return {"events": events, "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+            "buckets": events[STEPS - 1]["ddp"]}
+
+
 def stalled_peer(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 raises mid-window and stops taking part; rank 0's boundary sync must not wait forever.
 
@@ -283,5 +325,6 @@ if __name__ == "__main__":
         "flush_partial": flush_partial,
         "unequal_flush": unequal_flush,
         "acceptance": acceptance,
+        "collectives": collectives,
         "stalled_peer": stalled_peer,  # last: its group is left broken
     })

@@ -62,6 +62,29 @@ def test_one_gradient_all_reduce_per_window_n_times_fewer_than_every_micro_batch
     assert every["bytes"] == plain["bytes"] == STEPS * window["bytes"]
 
 
+def test_the_all_reduces_of_a_window_and_of_a_flush_are_counted_exactly(ranks):
+    # What the pages state: a window costs DDP's gradient all-reduce in its last backward (one
+    # call per bucket; one bucket here) plus the accumulator's one small all-reduce at the
+    # boundary (the loss sum, 8 bytes; 16 with the item total); a micro-batch before the last
+    # costs none. A flush costs no DDP all-reduce, and three of the accumulator's: the ranks'
+    # agreement on the window's length, one all-reduce of every gradient (one dtype here), and
+    # the small one.
+    for r in scenario(ranks, "collectives"):
+        events, buckets = r["events"], r["buckets"]
+        assert buckets == 1
+        full = [e for e in events if e["what"].startswith(("window 0", "window 1", "window 2"))]
+        for i, e in enumerate(full):
+            last = i % STEPS == STEPS - 1
+            weighted = e["what"].startswith("window 2")
+            assert (e["ddp"], e["own"]) == ((buckets, 1) if last else (0, 0)), e
+            assert e["own_bytes"] == ((16 if weighted else 8) if last else 0), e
+        partial, flush = events[3 * STEPS:-1], events[-1]
+        assert [(e["ddp"], e["own"]) for e in partial] == [(0, 0), (0, 0)]
+        assert (flush["ddp"], flush["own"]) == (0, 3), flush
+        # The agreement (a few 8-byte flags and counts), every gradient, the loss sum.
+        assert r["grad_bytes"] < flush["own_bytes"] < r["grad_bytes"] + 256
+
+
 @pytest.mark.parametrize("mode", ["window", "micro_batch"])
 def test_window_loss_is_the_global_full_batch_loss(ranks, mode):
     for r in scenario(ranks, mode):
