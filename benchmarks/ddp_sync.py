@@ -144,9 +144,11 @@ def report(args: argparse.Namespace, runs: dict[str, Any]) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "json"}
+        ratios = {"payload": rows[1]["payload_mib_per_step"] / rows[0]["payload_mib_per_step"],
+                  "calls": rows[1]["grad_all_reduces_per_step"] / rows[0]["grad_all_reduces_per_step"]}
         args.json.write_text(json.dumps({"machine": machine, "setup": setup, "settings": settings,
-                                         "params_millions": params / 1e6, "rows": rows},
-                                        indent=2) + "\n")
+                                         "params_millions": params / 1e6, "rows": rows,
+                                         "micro_batch_over_window": ratios}, indent=2) + "\n")
 
 
 def main() -> None:
