@@ -49,9 +49,10 @@ def gpt2(float64_loss: bool = True) -> torch.nn.Module:
     return model
 
 
-def namespace(base, micro, steps, sequences=SEQUENCES):
+def namespace(base, micro, steps, sequences=SEQUENCES, shuffle=False):
     fresh_accelerate()
-    loader = torch.utils.data.DataLoader(padded_text(sequences), batch_size=micro)
+    torch.manual_seed(1234)  # the same global RNG in every run: only the sampler can differ
+    loader = torch.utils.data.DataLoader(padded_text(sequences), batch_size=micro, shuffle=shuffle)
     return {"model": copy.deepcopy(base), "train_dataloader": loader,
             "gradient_accumulation_steps": steps, **SETTINGS}
 
@@ -61,7 +62,7 @@ def train(name, base, micro, steps, *replace):
 
 
 def test_the_recipes_are_in_the_doc():
-    for name in ("run-clm-original", "run-clm", "run-clm-checkpoint"):
+    for name in ("run-clm-original", "run-clm", "run-clm-checkpoint", "run-clm-seedable"):
         assert recipe(name)
 
 
@@ -103,10 +104,17 @@ class Killed(Exception):
     """The process dies right after writing a checkpoint."""
 
 
-def checkpoint_run(base, out, resume=None, kill_at=None, plain=False):
-    """The port's set-up, then the checkpointing loop; ``kill_at``: stop after that checkpoint."""
-    ns = namespace(base, 4, 4)
+PORT_ACCELERATOR = "accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps)\n"
+
+
+def checkpoint_run(base, out, resume=None, kill_at=None, plain=False, shuffle=False, seedable=False):
+    """The port's set-up, then the checkpointing loop; ``kill_at``: stop after that checkpoint.
+    ``seedable``: the Accelerator of recipe ``run-clm-seedable`` in place of the port's."""
+    ns = namespace(base, 4, 4, shuffle=shuffle)
     setup = recipe("run-clm").split("\ncompleted_steps = 0\n")[0]
+    if seedable:
+        assert setup.count(PORT_ACCELERATOR) == 1
+        setup = setup.replace(PORT_ACCELERATOR, recipe("run-clm-seedable"))
     if plain:  # a plain accumulator, not registered for checkpointing
         setup = setup.replace("gradaccum.integrations.accelerate.Accumulator(accelerator, optimizer,",
                               "gradaccum.Accumulator(optimizer, gradient_accumulation_steps,")
@@ -139,6 +147,28 @@ def test_mid_window_save_state_and_load_state_resume_bitwise(tmp_path, plain):
                                                   resumed["model"].parameters(), strict=True))
     # Not registered, the accumulator's partial window (2 micro-batches) is lost at the restart.
     assert same is not plain
+
+
+def resumed_against_uninterrupted(tmp_path, **options):
+    """The largest parameter difference between a run resumed mid-window and an uninterrupted one,
+    and how far the uninterrupted run moved."""
+    base = gpt2()
+    uninterrupted = checkpoint_run(base, tmp_path / "a", **options)
+    checkpoint_run(base, tmp_path / "b", kill_at="epoch_0_batch_6", **options)
+    resumed = checkpoint_run(base, tmp_path / "c", resume=str(tmp_path / "b" / "epoch_0_batch_6"), **options)
+    same = all(torch.equal(p, q) for p, q in zip(uninterrupted["model"].parameters(),
+                                                  resumed["model"].parameters(), strict=True))
+    return same, max_diff(uninterrupted["model"], resumed["model"]), max_diff(uninterrupted["model"], base)
+
+
+@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "default-dataloader"])
+def test_a_shuffled_epoch_resumes_bitwise_with_a_seedable_sampler_and_set_epoch(tmp_path, seedable):
+    # The example's shuffle=True: the loop's set_epoch(epoch) and the seedable sampler of recipe
+    # run-clm-seedable make the restarted epoch draw the interrupted one's order; Accelerate's
+    # default dataloader does not (the negative twin).
+    same, _, moved = resumed_against_uninterrupted(tmp_path, shuffle=True, seedable=seedable)
+    assert moved > 1e-3
+    assert same is seedable
 
 
 def fp16_train(base, micro, steps, adapter):
