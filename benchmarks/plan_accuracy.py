@@ -23,16 +23,19 @@ from typing import Any
 
 from gradaccum.bench.machine import describe_machine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.doc_binding import cited  # noqa: E402  (the numbers of a line as a page's test reads them)
+
 BASE = ["--global-batch", "256", "--budget", "512MiB"]
 CHECKS = {"recommended": ["--check"], "24x4": ["--check", "24"],
           "64x2": ["--check", "64", "--check-steps", "2"]}
-NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 CHECK = re.compile(r"check at micro-batch (\d+) x (\d+) steps: predicted .*?\((\d+) B\), "
                    r"measured .*?\((\d+) B\), error ([-+]\d+\.\d)%")
 
 
 def _numbers(line: str) -> list[float]:
-    return [float(n.replace(",", "")) for n in NUMBER.findall(line) if re.search(r"\d", n)]
+    """The numbers of a printed line, found as tests/test_doc_numbers.py finds them in a quote."""
+    return [float(token.replace(",", "")) for token, _ in cited("```\n" + line + "\n```")]
 
 
 def run_plan(options: list[str]) -> dict[str, Any]:

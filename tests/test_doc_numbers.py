@@ -4,7 +4,8 @@ How a page marks a part and binds its numbers: tests/doc_binding.py. Each number
 own key's value, rounded as printed; a number moved to another cell reads as another key and fails.
 Pages are found by glob, so a new page with measured numbers is checked as soon as it marks them;
 every results file under docs/results/ must be cited by some page; and a measured-looking number
-(``2.1e-2``) outside a marked part, code and backticks fails, so an unbound figure cannot hide.
+(``2.1e-2``) outside a marked part, program code and backticks fails (a quoted output counts), so
+an unbound figure cannot hide.
 """
 
 import json
@@ -36,7 +37,9 @@ MEASURED_PAGES = {
 # A measured-looking number: a decimal mantissa with an exponent (2.1e-2, 9.1e-16). Round
 # tolerances (1e-12) and settings have no decimal mantissa.
 MEASURED = re.compile(r"(?<![\w.])\d\.\d+e[-+]?\d+")
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+# Code blocks: a program's source (python, bash, ...) holds settings; a plain block quotes an output.
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+OUTPUT_FENCES = {"", "text", "console", "output"}
 
 
 def every_region() -> list[Region]:
@@ -74,7 +77,7 @@ def test_no_measured_looking_number_outside_a_marked_part():
         text = page.read_text()
         for region in regions(page):
             text = text.replace(region.text, "")
-        text = FENCE.sub("", text)
+        text = FENCE.sub(lambda m: m.group(2) if m.group(1) in OUTPUT_FENCES else "", text)
         text = re.sub(r"`[^`\n]*`", " ", text)
         text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
         loose += [f"{page.name}: {n}" for n in MEASURED.findall(text)]
