@@ -1,10 +1,11 @@
-"""Every figure docs/INTEGRATIONS.md states, measured by the tests' own runs, as a results file.
+"""The figures of docs/INTEGRATIONS.md and LANGUAGE_MODELS.md, from the tests' own runs, as a results file.
 
 The recipes' tests (tests/integrations/, tests/torch/test_terms.py) assert bounds; this script runs
 the same set-ups and keeps the figures themselves: the Accelerate port against the example's loop
 (float64 and transformers' float32 loss, fp16, a mid-window resume on a shuffled dataloader), the
 Trainer (the checker, the count, the recipe's run), every TRL loss type (splits, TRL's own
-accumulation, a generation batch feeding two windows) and loss terms of different normalizers.
+accumulation, a generation batch feeding two windows), loss terms of different normalizers, and
+docs/LANGUAGE_MODELS.md's recipes (Hugging Face GPT-2 and Llama, their mistakes, nanoGPT).
 
     python benchmarks/integrations_claims.py --json docs/results/integrations.json
 
@@ -162,6 +163,34 @@ def terms_figures() -> dict[str, Any]:
     return out
 
 
+def language_model_figures() -> dict[str, Any]:
+    """docs/LANGUAGE_MODELS.md's recipes: Hugging Face (GPT-2, Llama), its mistakes, nanoGPT."""
+    from tests.torch import test_language_models as lm
+
+    out: dict[str, Any] = {"settings": {"sequences": 32, "epochs": 2, "micro": 4, "steps": 4,
+                                        "full_batch": 16, "optimizer_steps": 4}}
+    for kind in ("gpt2", "llama"):
+        base = lm.hf_model(kind)
+        full = lm.hf_train(base, 16, 1)
+        out[kind] = {"diff": lm.max_diff(lm.hf_train(base, 4, 4), full), "moved": lm.max_diff(full, base)}
+    base = lm.hf_model("gpt2")
+    full = lm.hf_train(base, 16, 1)
+    mistakes = {"no_shift": (", shift=True", ""),
+                "naive": (', n_items=gradaccum.count_tokens(batch["labels"], shift=True)', ""),
+                "schedule_in_micro_batches": ("windows = math.ceil(len(loader) / steps)",
+                                              "windows = len(loader)")}
+    out["gpt2_mistakes"] = {name: lm.max_diff(lm.hf_train(base, 4, 4, edit), full)
+                            for name, edit in mistakes.items()}
+    base32 = lm.hf_model("gpt2").float()
+    out["gpt2_float32"] = lm.max_diff(lm.hf_train(base32, 4, 4), lm.hf_train(base32, 16, 1))
+    gpt = lm.tiny_gpt(ignore_index=-1)
+    nano_full = lm.nanogpt_train("nanogpt-original", gpt, 16, 1)
+    out["nanogpt"] = {"port": lm.max_diff(lm.nanogpt_train("nanogpt", gpt, 4, 4), nano_full),
+                      "own_loop": lm.max_diff(lm.nanogpt_train("nanogpt-original", gpt, 4, 4), nano_full),
+                      "moved": lm.max_diff(nano_full, gpt)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -175,7 +204,8 @@ def main() -> None:
         result = {"machine": {**describe_machine(), "accelerate": accelerate.__version__,
                               "transformers": transformers.__version__},
                   "accelerate": accelerate_figures(Path(tmp)), "trainer": trainer_figures(Path(tmp)),
-                  "rl": rl_figures(), "terms": terms_figures()}
+                  "rl": rl_figures(), "terms": terms_figures(),
+                  "language_models": language_model_figures()}
     result["benchmark_seconds"] = time.perf_counter() - start
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
