@@ -24,6 +24,7 @@ epoch or a seed (``epoch 3``, ``seed 0``), fence lines and ``$ `` command lines 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -99,7 +100,7 @@ def expand(expr: str) -> list[str]:
     if end < 0:
         raise ValueError(f"unbalanced braces in key {expr!r}")
     bounds = [start, *cuts, end]
-    options = [expr[a + 1:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    options = [expr[a + 1:b] for a, b in itertools.pairwise(bounds)]
     span = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", options[0]) if len(options) == 1 else None
     if span:
         options = [str(i) for i in range(int(span.group(1)), int(span.group(2)) + 1)]
@@ -129,8 +130,9 @@ def lookup(data: Any, key: str) -> float:
 def _step(node: Any, parts: list[str], key: str) -> tuple[Any, list[str]]:
     """One step down: a list index, or the longest dict key made of the next parts (a key may
     hold dots: ``rows.0.bf16 .grad``)."""
-    if isinstance(node, list) and re.fullmatch(r"-?\d+", parts[0]) and -len(node) <= int(parts[0]) < len(node):
-        return node[int(parts[0])], parts[1:]
+    index = int(parts[0]) if re.fullmatch(r"-?\d+", parts[0]) else None
+    if isinstance(node, list) and index is not None and -len(node) <= index < len(node):
+        return node[index], parts[1:]
     if isinstance(node, dict):
         for n in range(len(parts), 0, -1):
             if ".".join(parts[:n]) in node:

@@ -154,8 +154,8 @@ def test_a_number_moved_within_a_real_page_fails():
                      and float(a.replace(",", "")) != float(b.replace(",", ""))), None)
         if pair is None:
             continue
-        a, b = pair
-        swapped = NUMBER.sub(lambda m: {a: b, b: a}.get(m.group(0), m.group(0)), region.text)
+        swap = {pair[0]: pair[1], pair[1]: pair[0]}
+        swapped = NUMBER.sub(lambda m, swap=swap: swap.get(m.group(0), m.group(0)), region.text)
         if [t for t, _ in cited(swapped)] != tokens:
             assert mismatches(region, swapped), region.where()
             return
