@@ -49,7 +49,7 @@ def main() -> None:
         a, b = (np.load(Path(tmp) / name / "params.npz") for name in RUNS)
         diff = max(float(np.abs(a[k] - b[k]).max()) for k in a.files)
         largest = max(float(np.abs(b[k]).max()) for k in b.files)
-    steps = sum(e["optimizer_steps"] for e in runs["one_process"]["epochs"])
+    steps = runs["one_process"]["epochs"][-1]["optimizer_steps"]  # cumulative
     result = {"machine": describe_machine(), "commands": {k: " ".join(v[1:]) for k, v in RUNS.items()},
               "runs": runs, "max_param_diff": diff, "largest_param": largest, "optimizer_steps": steps}
     args.json.parent.mkdir(parents=True, exist_ok=True)
