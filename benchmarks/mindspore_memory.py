@@ -36,7 +36,7 @@ def resident_bytes() -> int:
 
 def measure(case: str, width: int) -> dict[str, int]:
     """Run one case in this process; returns parameter bytes, owned bytes and RSS growth."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.append(str(ROOT / "tests"))  # after site-packages: tests/mindspore/ would shadow MindSpore
     import mindspore as ms
     import numpy as np
     from mindspore import Tensor, nn
