@@ -116,7 +116,7 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"MindSpore {ms.__version__}, CPU; {args.repeats} fresh processes per case, interleaved")
-    print("\n| MLP width | parameters (MB) | case | Parameters held (MB) | RSS growth, median (MB) |")
+    print("\n| MLP width | parameters (MiB) | case | Parameters held (MiB) | RSS growth, median (MiB) |")
     print("|---|---|---|---|---|")
     mb = 2**20
     table: dict[str, dict[str, dict[str, float]]] = {}
