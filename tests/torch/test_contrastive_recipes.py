@@ -160,6 +160,40 @@ def test_mnrl_recipe_and_sentence_transformers_cached_loss_give_the_full_batch_g
     assert largest([q.grad for q in naive.parameters()], want) > 1e-3
 
 
+def test_with_dropout_both_replay_the_same_masks_on_texts_of_one_length(bert):
+    # sentence-transformers trims each mini-batch's padding; on texts of one length nothing is
+    # trimmed, both draw their masks for tensors of the same shapes, in the same order.
+    from gradaccum.bench.sentence import mnrl_loss, sentence_pairs
+
+    dropped = copy.deepcopy(bert)
+    for module in dropped.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.2
+    anchors, positives = sentence_pairs(12, seed=6, length=5)
+    loader = [(anchors, positives)]
+    torch.manual_seed(11)
+    mine = recorded_steps(lambda: run(
+        "mnrl", {"MODEL": copy.deepcopy(dropped), "loader": loader},
+        ('SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")', "MODEL"),
+        ("model.preprocess(anchor_texts), 32)", "model.preprocess(anchor_texts), 5)"),
+        ("model.preprocess(positive_texts), 32)", "model.preprocess(positive_texts), 5)"), doc=DOC))
+    theirs_model = copy.deepcopy(dropped)
+    torch.manual_seed(11)
+    st = recorded_steps(lambda: run(
+        "mnrl-sentence-transformers", {"model": theirs_model, "loader": loader,
+                                       "opt": torch.optim.AdamW(theirs_model.parameters(), lr=2e-5)},
+        ("mini_batch_size=32", "mini_batch_size=5"), doc=DOC))
+    # The reference: every chunk's graph alive, the chunks in the same order from the same RNG.
+    ref = copy.deepcopy(dropped)
+    torch.manual_seed(11)
+    texts = chunks(ref.preprocess(anchors), 5) + chunks(ref.preprocess(positives), 5)
+    mnrl_loss(*torch.cat([ref(dict(f))["sentence_embedding"] for f in texts]).chunk(2)).backward()
+    want = [None if p.grad is None else p.grad for p in ref.parameters()]
+    assert largest(mine[0], want) < 1e-12 and largest(st[0], want) < 1e-12
+    # The negative twin: without dropout the gradient is another one (the masks matter).
+    assert largest(mine[0], full_mnrl_grads(bert, anchors, positives)) > 1e-3
+
+
 def test_a_sentence_transformer_handed_the_chunk_itself_keeps_every_chunks_graph(bert):
     # Why the recipe's encode copies the dict: the model writes its outputs into it.
     from gradaccum.bench.sentence import sentence_pairs
