@@ -22,7 +22,8 @@ Accumulator, so the model does not move):
 * ``seconds_per_step``: the median of ``--repeats`` interleaved rounds (after a warm-up round), each
   running every method once in rotating order; ``time_vs_naive``: the median over rounds of the
   method's time over naive accumulation's of the same chunks in the same round (quartiles in
-  ``time_vs_naive_q1``/``_q3``); on ``mnrl``, ``time_vs_sentence_transformers`` likewise.
+  ``time_vs_naive_q1``/``_q3``); on ``mnrl``, ``time_vs_sentence_transformers`` likewise (and
+  its quartiles).
 
     python benchmarks/contrastive.py [--chunks 1 4 16] [--repeats 9] [--threads 1] [--device cpu]
                                      [--models clip mnrl] [--json docs/results/contrastive.json]
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -49,6 +52,7 @@ from gradaccum.bench.sentence import BERT_BENCH, mnrl_contenders, sentence_model
 from gradaccum.bench.towers import TOWERS_BENCH, TwoTowers, contenders, pair_batch
 
 MIB = 2**20
+WORDS = 24  # per text: one length, so that sentence-transformers' padding trim changes nothing
 Contenders = Callable[[torch.nn.Module, int], dict[str, Callable[[], None]]]
 
 
@@ -76,7 +80,7 @@ def clip_model(pairs: int, device: torch.device) -> Model:
 
 def mnrl_model(pairs: int, folder: Path) -> Model:
     model = sentence_model(write_bert(folder, BERT_BENCH))
-    anchors, positives = sentence_pairs(pairs, BERT_BENCH, length=24)
+    anchors, positives = sentence_pairs(pairs, BERT_BENCH, length=WORDS)
     return Model("mnrl", model, lambda m, pieces: mnrl_contenders(m, anchors, positives, pieces), pairs)
 
 
@@ -149,9 +153,11 @@ def measure(bench: Model, chunk_counts: Sequence[int], repeats: int, device: tor
             })
             q1, q3 = timings.paired_quartiles(name, "naive")
             rows[-1] |= {"time_vs_naive_q1": q1, "time_vs_naive_q3": q3}
-            if "sentence-transformers cached" in timings.samples:
-                rows[-1]["time_vs_sentence_transformers"] = paired_median(
-                    timings, name, "sentence-transformers cached")
+            st = "sentence-transformers cached"
+            if st in timings.samples:
+                q1, q3 = timings.paired_quartiles(name, st)
+                rows[-1] |= {"time_vs_sentence_transformers": paired_median(timings, name, st),
+                             "time_vs_sentence_transformers_q1": q1, "time_vs_sentence_transformers_q3": q3}
             log(table_row(rows[-1]))
     return rows
 
@@ -205,8 +211,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     machine = describe_machine()
-    for key, value in machine.items():
-        print(f"{key:>14}: {value}")
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "sentence-transformers")}
+    for key, value in {**machine, **versions}.items():
+        print(f"{key:>21}: {value}")
     print(f"\n{HEAD}\n|---|---|---|---|---|---|---|", flush=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
@@ -225,7 +232,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"goal {g['goal']} at {g['chunks']} chunks: {g['ratio']:.2f} ({verdict})")
     command = ["python", *sys.argv] if argv is None else ["python", "benchmarks/contrastive.py", *argv]
     results = {"machine": machine, "command": " ".join(command),
-               "settings": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows,
+               "settings": {k: v for k, v in vars(args).items() if k != "json"}, "versions": versions,
+               "models": {"clip": dataclasses.asdict(TOWERS_BENCH),
+                          "mnrl": {**dataclasses.asdict(BERT_BENCH), "words_per_text": WORDS}},
+               "rows": rows,
                "goals": met}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
