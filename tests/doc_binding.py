@@ -12,7 +12,8 @@ The opening comment names the results file and then, in reading order, the key o
 the part (left to right, top to bottom). A key is a path of dict keys and list indices joined by
 ``.``; ``{a,b}`` and ``{0..2}`` expand as in a shell (``x.{a,b}.y`` is ``x.a.y x.b.y``); a trailing
 ``*100`` or ``/1048576`` scales the value to the page's unit; quotes hold a key with spaces
-(``'rows.0.bf16 .grad'``), and a key may hold dots. A key of another results file names it first:
+(``'rows.0.bf16 .grad'``), and a key may hold dots; ``key#2`` is the third number of the string at
+``key`` (a report's quoted line). A key of another results file names it first:
 ``docs/results/OTHER.json:rows.0.ms`` (a table citing several benchmarks is one marked part: a
 comment inside a Markdown table would end it). Number *i* of the part must read as
 key *i*'s value rounded as the page prints it (``2.48e-3`` is 0.0024812, ``1,339,412`` only
@@ -117,9 +118,15 @@ def lookup(data: Any, key: str) -> float:
     scaled = SCALE.match(key)
     path, op, factor = (scaled.group(1), scaled.group(2), float(scaled.group(3))) if scaled else (
         key, "*", 1.0)
+    path, _, nth = path.partition("#")
     node, parts = data, path.split(".")
     while parts:
         node, parts = _step(node, parts, key)
+    if nth:  # the nth number a string holds, read as a page reads it
+        tokens = [t for t, _ in cited(node)] if isinstance(node, str) else []
+        if not nth.isdigit() or int(nth) >= len(tokens):
+            raise KeyError(f"{key}: {node!r} holds no number #{nth}")
+        node = float(tokens[int(nth)].replace(",", ""))
     if isinstance(node, str) and re.fullmatch(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?", node):
         node = float(node)  # the machine's "2" CPUs
     if isinstance(node, bool) or not isinstance(node, (int, float)):

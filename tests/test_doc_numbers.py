@@ -115,6 +115,10 @@ def test_keys_expand_in_reading_order_and_scale():
     for bad in ("rows.1.acc", "rows.0.missing", "rows.0", "rows"):
         with pytest.raises(KeyError):
             lookup(data, bad)
+    report = {"measured": "32: 230.8 MiB vs 242.5 MiB (-4.8%), probes 8,16"}
+    assert [lookup(report, f"measured#{i}") for i in range(4)] == [32, 230.8, 242.5, -4.8]
+    with pytest.raises(KeyError):
+        lookup(report, "measured#4")  # "8,16" is not a number of the page's either
 
 
 def test_quoted_commands_settings_and_names_are_not_numbers():

@@ -36,6 +36,7 @@ from gradaccum.core import (
 from gradaccum.core.memory import MemoryEstimate
 
 __version__ = "0.3.0"
+"""The package's version."""
 
 # The public names that live in gradaccum.torch: loaded on first use (PEP 562), so that the
 # MindSpore adapter and the core never need torch. Type checkers see the import below.

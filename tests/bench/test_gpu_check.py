@@ -20,7 +20,8 @@ CPU = torch.device("cpu")
 SRC = str(Path(gradaccum.__file__).resolve().parents[1])
 # Checks whose smoke figures are exact on a CPU, so a missed target there means broken code. Not
 # judged: the overhead (a tiny CPU timing).
-EXACT_ON_CPU = ("host_sync", "fp16_scaler", "oom", "planner", "accum_dtype", "compiled", "ddp")
+EXACT_ON_CPU = ("host_sync", "fp16_scaler", "oom", "planner", "accum_dtype", "compiled", "ddp",
+                "contrastive")
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +38,18 @@ def test_smoke_exits_0_and_prints_one_smoke_row_per_check(smoke):
     proc, out, _ = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == len(CHECKS) == 8
+    assert len(rows) == len(CHECKS) == 9
     for row, spec in zip(rows, CHECKS, strict=True):
         assert spec.title.replace("|", "\\|") in row, row
         assert row.endswith((f"| {SMOKE_VERDICT} |", f"| {SMOKE_VERDICT}, FAIL |")), row
-    assert (out / "report.md").read_text().count(SMOKE_VERDICT) == 8
+    assert (out / "report.md").read_text().count(SMOKE_VERDICT) == 9
 
 
 @pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_smoke_checks_with_exact_cpu_figures_meet_their_targets(smoke):
     _, _, report = smoke
     checks = {c["name"]: c for c in report["checks"]}
-    assert [c["status"] for c in report["checks"]] == ["done"] * 8
+    assert [c["status"] for c in report["checks"]] == ["done"] * 9
     for name in EXACT_ON_CPU:
         assert checks[name]["met"] is True, (name, checks[name]["measured"])
     assert checks["overhead"]["met"] is None
@@ -64,6 +65,9 @@ def test_smoke_raw_numbers_are_those_of_the_checks(smoke):
     assert raw["compiled"]["graphs"] == 1 and raw["compiled"]["backend"] == "aot_eager"
     assert raw["ddp"]["mean"]["grad_all_reduces_per_window"] == [[1, 1, 1], [1, 1, 1]]
     assert raw["accum_dtype"]["buffer_bytes"] == raw["accum_dtype"]["fp32_copy_bytes"]
+    peaks, errors = raw["contrastive"]["peak_bytes"], raw["contrastive"]["relative_l2_from_full_batch"]
+    assert raw["contrastive"]["chunks"] == 8 and peaks["backward_cached"] < peaks["full batch"] / 2
+    assert errors["backward_cached"] < errors["naive"]
     assert raw["host_sync"]["canary_caught"] and not any(raw["host_sync"]["syncs"].values())
 
 
@@ -143,7 +147,7 @@ def test_benchmarks_doc_has_the_gpu_section_that_regenerating_it_keeps():
     text = (Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md").read_text()
     kept = kept_sections(text)
     assert kept and kept[0] == "## GPU" and "bash scripts/gpu_check.sh" in "\n".join(kept)
-    assert all(f"| {i}. " in "\n".join(kept) for i in range(1, 9))  # a row per check
+    assert all(f"| {i}. " in "\n".join(kept) for i in range(1, 10))  # a row per check
 
 
 FLOOR = """

@@ -1,4 +1,5 @@
-"""Shared by the recipes' tests: the blocks of docs/INTEGRATIONS.md, a tiny GPT-2, padded text."""
+"""Shared by the recipes' tests: the blocks of docs/INTEGRATIONS.md (or another page), a tiny GPT-2,
+padded text."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "INTEGRATIONS.md"
 SEQ, VOCAB = 16, 64
 
 
-def recipe(name: str, *replace: tuple[str, str]) -> str:
-    """The code of the block marked ``<!-- recipe: name -->``, with ``(old, new)`` replacements."""
-    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
-    assert found, f"no recipe {name!r} in {DOC}"
+def recipe(name: str, *replace: tuple[str, str], doc: Path = DOC) -> str:
+    """The code of the block marked ``<!-- recipe: name -->`` in ``doc``, with ``(old, new)``
+    replacements (each must occur exactly once)."""
+    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\n```python\n(.*?)```", doc.read_text(), re.S)
+    assert found, f"no recipe {name!r} in {doc}"
     code = found.group(1)
     for old, new in replace:
         assert code.count(old) == 1, (name, old)
@@ -23,9 +25,9 @@ def recipe(name: str, *replace: tuple[str, str]) -> str:
     return code
 
 
-def run(name: str, namespace: dict[str, Any], *replace: tuple[str, str]) -> dict[str, Any]:
-    """Execute recipe ``name`` in ``namespace`` (returned, with what the block defined)."""
-    exec(compile(recipe(name, *replace), f"INTEGRATIONS.md[{name}]", "exec"), namespace)
+def run(name: str, namespace: dict[str, Any], *replace: tuple[str, str], doc: Path = DOC) -> dict[str, Any]:
+    """Execute recipe ``name`` of ``doc`` in ``namespace`` (returned, with what the block defined)."""
+    exec(compile(recipe(name, *replace, doc=doc), f"{doc.name}[{name}]", "exec"), namespace)
     return namespace
 
 

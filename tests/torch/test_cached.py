@@ -540,25 +540,3 @@ def test_chunks_refuses_a_bad_size(size, error):
 def test_chunks_refuses_tensors_of_different_lengths():
     with pytest.raises(ValueError, match="disagree"):
         gradaccum.chunks((torch.zeros(4), torch.zeros(5)), 2)
-
-
-# ------------------------------------------------------------------ docs/CONTRASTIVE.md
-def test_the_pages_recipe_trains_exactly_as_the_full_batch():
-    import re
-    from pathlib import Path
-
-    page = (Path(__file__).resolve().parents[2] / "docs" / "CONTRASTIVE.md").read_text()
-    code = re.search(r"<!-- recipe: clip -->\n```python\n(.*?)```", page, re.S)
-    assert code, "no recipe in docs/CONTRASTIVE.md"
-    batches = [pairs(150, seed=s) for s in (1, 2)]  # chunks of 64, 64 and 22
-    namespace = {"TwoTowers": Towers, "loader": batches}
-    exec(compile(code.group(1), "CONTRASTIVE.md[clip]", "exec"), namespace)
-    ref = Towers()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    for batch in batches:
-        full_batch_grads(ref, [[batch]], clip_of(ref))
-        opt.step()
-    assert namespace["acc"].optimizer_steps == 2
-    trained = dict(namespace["model"].named_parameters())
-    assert largest_difference(trained, dict(ref.named_parameters())) < 1e-12
-    assert largest_difference(dict(ref.named_parameters()), dict(Towers().named_parameters())) > 1e-5

@@ -6,6 +6,11 @@ running sum is the number of bytes the allocator holds for tensors, relative to 
 the profile; its maximum is the peak (:func:`gradaccum.torch.memory.probe.cpu_allocations`, shared
 with ``gradaccum plan``). On CUDA, ``torch.cuda.max_memory_allocated`` gives the same quantity
 directly. Both count tensor memory only (not the Python heap or library code).
+
+Saved activations (:func:`saved_activations`): the bytes autograd keeps for backward, counted
+through ``torch.autograd.graph.saved_tensors_hooks`` as distinct storages alive at once (a tensor
+saved by two nodes, or a view of one, counts once; parameters do not count). The same number on
+every device, and the part of a step's memory that grows with the batch.
 """
 
 from __future__ import annotations
@@ -13,16 +18,16 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from gradaccum.torch.memory.probe import cpu_allocations, tensor_bytes
 
 __all__ = ["Memory", "Timings", "allocator_memory", "device_sync", "floor_bytes", "interleaved",
-           "minor_faults"]
+           "minor_faults", "saved_activations"]
 
 T = TypeVar("T")
 
@@ -66,6 +71,68 @@ def allocator_memory(fn: Callable[[], T], device: torch.device) -> tuple[T, Memo
     torch.cuda.synchronize(device)
     return result, Memory(torch.cuda.max_memory_allocated(device) - base,
                           torch.cuda.memory_allocated(device) - base)
+
+
+class _Saved:
+    """What autograd holds for backward: each storage's bytes and how many saved tensors use it."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.users: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or storage.nbytes() == 0:
+            return t
+        if key not in self.users:
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.users[key] = self.users.get(key, 0) + 1
+        return _Held(self, t, key, storage.nbytes())
+
+    def release(self, key: int, nbytes: int) -> None:
+        self.users[key] -= 1
+        if not self.users[key]:
+            del self.users[key]
+            self.now -= nbytes
+
+
+class _Held:
+    """A saved tensor; when autograd drops it (the graph is freed), its storage's count goes down."""
+
+    def __init__(self, owner: _Saved, tensor: torch.Tensor, key: int, nbytes: int) -> None:
+        self.owner, self.tensor, self.key, self.nbytes = owner, tensor, key, nbytes
+
+    def __del__(self) -> None:
+        self.owner.release(self.key, self.nbytes)
+
+
+def _unpack(held: Any) -> torch.Tensor:
+    return held.tensor if isinstance(held, _Held) else held
+
+
+def saved_activations(fn: Callable[[], T], exclude: Iterable[torch.Tensor] = ()) -> tuple[T, int]:
+    """Run ``fn`` and count the tensors autograd saves for backward while it runs.
+
+    Args:
+        fn: what is measured (forwards and backwards).
+        exclude: tensors not to count (the parameters: they are held whatever the batch).
+
+    Returns:
+        ``fn``'s result and the most bytes of saved storages alive at any moment.
+
+    Example:
+        >>> w = torch.ones(4, requires_grad=True)
+        >>> _, held = saved_activations(lambda: (w * torch.ones(1024, 4)).sum().backward(), [w])
+        >>> held  # the (1024, 4) float32 input, saved for w's gradient
+        16384
+    """
+    counter = _Saved({t.untyped_storage().data_ptr() for t in exclude})
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+        result = fn()
+    return result, counter.peak
 
 
 def device_sync(device: torch.device) -> Callable[[], None]:

@@ -33,6 +33,9 @@ class Schedule:
         by: ``"optimizer_step"`` (default) or ``"epoch"``: what the keys and the callable's
             argument count.
 
+    Attributes:
+        by: what the schedule counts, as given.
+
     Raises:
         TypeError: ``spec`` is none of the above, or a key or value is not an integer.
         ValueError: a key is negative, a value below 1, or the mapping is empty.

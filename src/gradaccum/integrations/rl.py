@@ -21,7 +21,6 @@ __all__ = ["LOSS_TYPES", "PolicyLoss", "policy_loss"]
 Count = Literal["sequences", "tokens"]
 Reduction = Literal["mean", "sum"]
 
-#: For each loss type: what ``n_items`` counts and the ``reduction`` of the loss that goes with it.
 LOSS_TYPES: dict[str, tuple[Count, Reduction]] = {
     "grpo": ("sequences", "mean"),
     "sapo": ("sequences", "mean"),
@@ -32,10 +31,18 @@ LOSS_TYPES: dict[str, tuple[Count, Reduction]] = {
     "cispo": ("tokens", "sum"),
     "vespo": ("tokens", "sum"),
 }
+"""For each loss type of TRL's ``GRPOTrainer``: what ``n_items`` counts and the ``reduction`` of
+the loss that goes with it."""
 
 
 class PolicyLoss(NamedTuple):
-    """A micro-batch's policy loss and what to pass with it to ``Accumulator.backward``."""
+    """A micro-batch's policy loss and what to pass with it to ``Accumulator.backward``.
+
+    Attributes:
+        loss: the micro-batch's loss, reduced as ``reduction`` says.
+        n_items: the count to pass as ``n_items``: sequences or completion tokens.
+        reduction: the ``reduction`` to pass: ``"mean"`` or ``"sum"``.
+    """
 
     loss: torch.Tensor
     n_items: int | torch.Tensor

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 __all__ = ["CHECKPOINT_KEY", "pack", "this_rank"]
 
-CHECKPOINT_KEY = "gradaccum"  # the accumulator's entry in a Lightning checkpoint
+CHECKPOINT_KEY = "gradaccum"
+"""The key of the accumulator's state in a Lightning checkpoint (``checkpoint[CHECKPOINT_KEY]``)."""
 
 
 def _world() -> tuple[int, int]:

@@ -55,6 +55,12 @@ class AccumulatorMixin:
         UserWarning: once, when an epoch ran ``training_step`` without calling
             :meth:`accumulate` (nothing trained).
 
+    Attributes:
+        trainer: the LightningModule's trainer, which the mixin reads (strategy, precision,
+            optimizers, last batch).
+        automatic_optimization: set to False: the mixin steps the optimizer itself, once per
+            window.
+
     Example:
         >>> import pytorch_lightning as pl
         >>> class Model(AccumulatorMixin, pl.LightningModule):
@@ -71,7 +77,7 @@ class AccumulatorMixin:
         False
     """
 
-    trainer: Any  # these four come from the LightningModule this class is mixed into
+    trainer: Any  # these two come from the LightningModule this class is mixed into
     automatic_optimization: bool
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

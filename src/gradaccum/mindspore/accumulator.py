@@ -89,6 +89,13 @@ class Accumulator(HostSide):
             so that every rank evaluates with the same ones; ``None`` (default): each rank keeps
             its own. Ignored without data parallel.
 
+    Attributes:
+        optimizer: the optimizer stepped once per window.
+        schedule: the :class:`gradaccum.Schedule` that ``steps`` became.
+        clip_norm: the clipping threshold given (``None``: no clipping).
+        weighting: ``"mean"`` or ``"items"``, as given.
+        epoch: the epoch last given to ``set_epoch`` (0 before).
+
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
 

@@ -24,6 +24,7 @@ class MicroBatch:
             (validated; raises for a bad value or a block that cannot hold terms).
 
     Attributes:
+        parts: the ``(loss, weight)`` part of the window's loss of each backward so far.
         stepped: after the block, True when the micro-batch completed a window that stepped.
         closed: True once the ``with`` block has ended (``backward`` then raises).
     """

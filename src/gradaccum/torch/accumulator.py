@@ -75,6 +75,18 @@ class Accumulator(WindowHooks):
     and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
     starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures").
 
+    Attributes:
+        optimizer_steps: optimizer updates made so far (windows applied, not skipped).
+        skipped_windows: windows closed without an update (non-finite gradient, 0 items).
+        epoch: the epoch last given to :meth:`set_epoch` (0 before).
+        grad_norm: the last window's gradient norm before clipping, a 0-dim tensor
+            (with ``clip_norm`` or ``skip_nonfinite``; ``None`` when nothing computed it).
+        schedule: the :class:`gradaccum.Schedule` that ``steps`` became.
+        clip_norm: the clipping threshold given (``None``: no clipping).
+        optimizer: the optimizer stepped once per window.
+        model: the model given (``None`` when none was).
+        scheduler: the LR scheduler stepped once per optimizer step (``None`` when none was).
+
     Raises:
         TypeError, ValueError: an argument of the wrong type or value (the message names it).
 

@@ -7,8 +7,10 @@ benchmark CNN runs out at a known size even on a large GPU. Then:
    ``gradaccum.is_oom_error`` recognizes;
 2. ``AutoBatch(acc, "auto")`` trains 3 global batches of 1,024 images from the whole global batch:
    it runs out, halves and reruns the global batch, until a size fits;
-3. a clean run at the size it settled on (a fixed ``micro_batch``), from the same weights and
-   data: the parameters must be ``torch.equal`` (deterministic cuDNN and cuBLAS).
+3. a clean run at the sizes it trained each global batch at (a fixed ``micro_batch`` per global
+   batch: the first may have fit at a larger size than a later one), from the same weights and
+   data: the parameters must be ``torch.equal`` (deterministic cuDNN and cuBLAS). A reference at
+   the last size alone would sum the first global batch in another order.
 
 The smoke has no CUDA memory to exhaust: a forward pre-hook raises ``torch.OutOfMemoryError``
 above 4 images (the error a real OOM raises), on the MNIST CNN, global batches of 16.
@@ -60,21 +62,24 @@ def _real_oom(ctx: Context, fail_above: int | None, shape: tuple[int, ...]) -> t
         _release()
 
 
-def _train(ctx: Context, fail_above: int | None, micro: int | str, shape: tuple[int, ...],
+def _train(ctx: Context, fail_above: int | None, micro: str | list[int], shape: tuple[int, ...],
            global_batch: int) -> tuple[list[torch.Tensor], int, int, list[int]]:
-    """Train BATCHES global batches: the parameters (copied to the CPU), the last micro-batch,
-    the OOMs recovered, and the micro-batch after each global batch."""
+    """Train BATCHES global batches (``"auto"``, or a fixed micro-batch per global batch): the
+    parameters (copied to the CPU), the last micro-batch, the OOMs recovered, and the micro-batch
+    each global batch was trained at."""
     model = _model(ctx, fail_above)
     acc = gradaccum.Accumulator(torch.optim.Adam(model.parameters(), lr=1e-4), 1, model=model)
-    auto = gradaccum.AutoBatch(acc, micro)
+    auto = gradaccum.AutoBatch(acc, "auto") if micro == "auto" else None
     g = torch.Generator().manual_seed(0)
     tried = []
-    for _ in range(BATCHES):
+    for i in range(BATCHES):
         x = torch.randn(global_batch, *shape, generator=g).to(ctx.device)
         y = torch.randint(0, 10, (global_batch,), generator=g).to(ctx.device)
-        auto.step((x, y), lambda mb: torch.nn.functional.cross_entropy(model(mb[0]), mb[1]))
-        tried.append(auto.micro_batch or global_batch)
-    return [p.detach().cpu().clone() for p in model.parameters()], tried[-1], auto.ooms, tried
+        step = auto if auto is not None else gradaccum.AutoBatch(acc, micro[i])
+        step.step((x, y), lambda mb: torch.nn.functional.cross_entropy(model(mb[0]), mb[1]))
+        tried.append(step.micro_batch or global_batch)
+    ooms = auto.ooms if auto is not None else 0
+    return [p.detach().cpu().clone() for p in model.parameters()], tried[-1], ooms, tried
 
 
 def run(ctx: Context) -> Outcome:
@@ -94,12 +99,12 @@ def run(ctx: Context) -> Outcome:
     auto_params, settled, ooms, tried = _train(ctx, fail_above, "auto", shape, global_batch)
     _release()  # its model is gone: the clean run gets the memory back
     ctx.record(settled=settled, ooms=ooms, micro_batch_after_each_global_batch=tried)
-    clean_params, _, _, _ = _train(ctx, fail_above, settled, shape, global_batch)
+    clean_params, _, _, _ = _train(ctx, fail_above, tried, shape, global_batch)
     equal = all(torch.equal(a, b) for a, b in zip(auto_params, clean_params, strict=True))
     worst = max(float((a - b).abs().max()) for a, b in zip(auto_params, clean_params, strict=True))
     ctx.record(params_equal=equal, max_abs_diff=worst)
     measured = (f"{message[:60]}; is_oom_error {recognized}; from {global_batch}: {ooms} OOMs, "
-                f"settled at {settled}; params equal a clean run at {settled}: {equal} "
+                f"settled at {settled}; params equal a clean run at {'/'.join(map(str, tried))}: {equal} "
                 f"(max |diff| {worst:.3g})")
     met = recognized and ooms > 0 and equal
     return Outcome(measured, "OOM recognized, recovers, torch.equal clean run", met)

@@ -9,7 +9,8 @@ fused AdamW under bf16 autocast, N micro-batches per window, the window's gradie
 
 Timed with CUDA events around each window, in rounds whose order alternates (A B, B A, ...),
 until the time box is nearly spent; the ratio is of the medians. Memory: the peak of one window
-(``max_memory_allocated`` above what is allocated before it), each contender measured alone.
+(``max_memory_allocated`` above what is allocated before it), each contender measured alone;
+gradaccum may hold the window's micro-batch losses beyond the hand loop (``LOSS_BLOCKS``).
 The smoke times with the wall clock (the CPU has no events) and judges nothing: a tiny model on
 a CPU says nothing about a GPU's overhead.
 """
@@ -34,6 +35,9 @@ __all__ = ["EventClock", "WallClock", "run"]
 
 RATIO_TARGET = 1.01
 STEPS = 4  # micro-batches per window
+# What gradaccum holds beyond the hand loop: the window's detached micro-batch losses (for
+# acc.window_loss without a host sync), one 0-dim tensor each, a 512-byte allocator block on CUDA.
+LOSS_BLOCKS = STEPS * 512
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -154,5 +158,5 @@ def run(ctx: Context) -> Outcome:
     measured = (f"{micro} x {STEPS} sequences of {config.block_size}: {ms['gradaccum']:.1f} vs "
                 f"{ms['hand-written']:.1f} ms/window, ratio {ratio:.3f} [{quartiles[0]:.3f}, "
                 f"{quartiles[1]:.3f}], {len(timings.samples['gradaccum'])} rounds; peak diff {diff:+,} B")
-    met = None if ctx.smoke else ratio <= RATIO_TARGET and diff == 0
-    return Outcome(measured, f"ratio <= {RATIO_TARGET}, peak diff 0 B", met)
+    met = None if ctx.smoke else ratio <= RATIO_TARGET and diff <= LOSS_BLOCKS
+    return Outcome(measured, f"ratio <= {RATIO_TARGET}, peak diff <= {LOSS_BLOCKS:,} B", met)

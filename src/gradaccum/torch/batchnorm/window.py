@@ -79,6 +79,11 @@ class WindowBatchNorm(ConvertedNorm, _BatchNorm):
             ``all_gather`` per layer), so running statistics are those of the global batch, as
             under ``SyncBatchNorm``. Every rank must then commit at the same boundaries.
         process_group: the group to pool over (``None``: the default group).
+
+    Attributes:
+        track_running_stats: the converted BatchNorm's.
+        sync: whether :meth:`commit` pools the moments over the ranks.
+        process_group: the group pooled over (``None``: the default group).
     """
 
     def __init__(self, bn: _BatchNorm, *, sync: bool = False, process_group: Any = None) -> None:
@@ -163,6 +168,7 @@ class WindowBatchNorm(ConvertedNorm, _BatchNorm):
         return adopt_state(self._source(), self)
 
     def extra_repr(self) -> str:
+        """The BatchNorm's settings in ``repr(module)``, and ``sync``."""
         return f"{_BatchNorm.extra_repr(self)}, sync={self.sync}"  # type: ignore[no-untyped-call]
 
 

@@ -58,6 +58,15 @@ class AutoBatch:
         grow_every: with ``"auto"``, try twice the micro-batch again after this many global
             batches in a row without OOM (never reaching a size that ran out); ``None``: never.
 
+    Attributes:
+        acc: the accumulator fed.
+        auto: True with ``micro_batch="auto"``.
+        micro_batch: the micro-batch size the next global batch tries (``None`` until the first
+            global batch with ``"auto"`` and no ``start``: the whole batch).
+        grow_every: as given.
+        ooms: out-of-memory errors recovered from so far.
+        last_sizes: the micro-batch sizes of the last attempt, e.g. ``[4, 4, 2]``.
+
     Raises:
         TypeError, ValueError: a bad argument (the message names it).
 
