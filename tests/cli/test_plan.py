@@ -51,7 +51,7 @@ def test_bad_arguments_exit_with_a_message(args, message, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--probe", "4", "4"], "two different micro-batch sizes"),
+    (["--probe", "4", "4"], "two or more different micro-batch sizes"),
     (["--budget", "lots"], "budget must be a size"),
     (["--model", "no_such_module:factory"], "No module named 'no_such_module'"),
     (["--model", "resnet"], "--model must be one of"),
@@ -81,3 +81,34 @@ def test_check_without_a_size_measures_the_recommendation(capsys):
 def test_check_of_a_recommendation_needs_a_global_batch(capsys):
     assert main(["plan", *FAST, "--check"]) == 2
     assert "--check without a size" in capsys.readouterr().err
+
+
+def test_the_cli_default_probes_are_the_library_default():
+    from gradaccum.cli.plan import DEFAULT_PROBES as CLI
+    from gradaccum.torch.memory.probe import DEFAULT_PROBES
+    assert CLI == DEFAULT_PROBES
+
+
+def test_probes_that_run_out_of_memory_are_named_in_the_report(monkeypatch, capsys):
+    import torch
+
+    import gradaccum.cli.plan as plan
+
+    def runs_out_above_8(spec, seed=0):
+        model, shape = load_model(spec, seed)
+        def hook(module, args):
+            if args[0].shape[0] > 8:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        model.register_forward_pre_hook(hook)
+        return model, shape
+
+    monkeypatch.setattr(plan, "load_model", runs_out_above_8)
+    assert main(["plan", "--model", "cnn", "--device", "cpu", "--probe", "2", "4", "8", "16", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "probe windows of 2 micro-batches at 2, 4 and 8; 16 and 32 ran out of memory" in out
+
+
+@pytest.mark.parametrize("probes", [["4"], ["4", "8", "4"]])
+def test_fewer_than_two_different_probes_is_a_usage_error(probes, capsys):
+    assert main(["plan", "--probe", *probes]) == 2
+    assert "--probe needs two or more different micro-batch sizes" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gradaccum.core.memory import MemoryEstimate, fit_line, format_bytes, parse_bytes
+from gradaccum.core.memory import MemoryEstimate, fit_line, fit_probes, format_bytes, parse_bytes
 
 MiB = 2**20
 EST = MemoryEstimate(param_bytes=10 * MiB, grad_bytes=10 * MiB, optimizer_bytes=20 * MiB,
@@ -76,3 +76,20 @@ def test_parse_bytes_rejects_non_sizes(text):
 
 def test_format_bytes():
     assert format_bytes(3 * 2**30) == "3.0 GiB" and format_bytes(512) == "512 B"
+
+
+def test_least_squares_line_through_several_probes():
+    assert fit_probes([(2, 18.0), (4, 26.0), (8, 42.0), (16, 74.0)]) == (4.0, 10.0)  # on one line
+    # Not on one line: the least-squares slope (8.5 / 5) through the means (2.5, 5.75).
+    slope, intercept = fit_probes([(1, 4.0), (2, 4.0), (3, 6.0), (4, 9.0)])
+    assert (slope, intercept) == (pytest.approx(1.7), pytest.approx(1.5))
+    assert fit_probes([(4, 100.0), (8, 140.0)]) == fit_line(4, 100.0, 8, 140.0)
+
+
+@pytest.mark.parametrize(("points", "match"), [([(4, 1.0)], "at least two"),
+                                               ([(2, 1.0), (4, 2.0), (2, 3.0)], "must differ"),
+                                               ([(0, 1.0), (4, 2.0)], "probe micro-batch")])
+def test_bad_probe_sets_are_named(points, match):
+    with pytest.raises(ValueError, match=match):
+        fit_probes(points)
+

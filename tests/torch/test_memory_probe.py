@@ -70,3 +70,54 @@ def test_bad_probe_sizes_are_rejected_before_any_work(probes):
 def test_model_without_parameters_is_a_clear_error():
     with pytest.raises(ValueError, match="no parameters"):
         measure_peak(nn.Identity(), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), (2,), 2)
+
+
+def _runs_out_above(model: nn.Module, size: int, error: Exception | None = None) -> nn.Module:
+    """Fault injection: the model's forward raises ``error`` (default: a CUDA OOM) on a batch of
+    more than ``size``."""
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if args[0].shape[0] > size:
+            raise error or torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    model.register_forward_pre_hook(hook)
+    return model
+
+
+def test_several_probes_fit_the_least_squares_line_of_their_peaks():
+    model = Ballast(MiB // 4)  # 2 MiB per sample, as above: a line every probe lies on
+    est = estimate_memory(model, torch.optim.SGD(model.parameters(), lr=0.1), (8,), probes=(8, 2, 4))
+    assert est.probes == (2, 4, 8)
+    assert 2 * MiB <= est.activation_bytes_per_sample <= 2.05 * MiB
+
+
+def test_a_probe_that_runs_out_of_memory_ends_the_probing_with_the_sizes_that_fit():
+    def estimate(probes: tuple[int, ...], fail_above: int | None):
+        torch.manual_seed(0)
+        model = build_model("cnn")
+        if fail_above is not None:
+            _runs_out_above(model, fail_above)
+        return estimate_memory(model, torch.optim.Adam(model.parameters()), (1, 28, 28), probes)
+
+    fitted = estimate((2, 4, 8, 16), fail_above=8)
+    assert fitted.probes == (2, 4, 8)
+    clean = estimate((2, 4, 8), fail_above=None)  # the same three sizes, nothing running out
+    assert fitted.activation_bytes_per_sample == pytest.approx(clean.activation_bytes_per_sample, rel=1e-9)
+    assert fitted.peak(64) == pytest.approx(clean.peak(64), rel=1e-9)
+
+
+def test_an_oom_before_two_probes_or_another_error_is_raised():
+    model = _runs_out_above(build_model("cnn"), 2)
+    with pytest.raises(torch.OutOfMemoryError):  # 4 runs out: one size is no line
+        estimate_memory(model, torch.optim.Adam(model.parameters()), (1, 28, 28), (2, 4, 8))
+    model = _runs_out_above(build_model("cnn"), 4, error=RuntimeError("shape mismatch (simulated)"))
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # not an OOM: never swallowed
+        estimate_memory(model, torch.optim.Adam(model.parameters()), (1, 28, 28), (2, 4, 8))
+
+
+@pytest.mark.parametrize(("probes", "match"), [((4,), "at least two"), ((2, 4, 2), "must differ"),
+                                               ("24", "sequence of micro-batch sizes")])
+def test_bad_probe_sets_are_rejected_before_any_work(probes, match):
+    model = nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((TypeError, ValueError), match=match):
+        estimate_memory(model, torch.optim.SGD(model.parameters(), lr=1.0), (2,), probes=probes)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

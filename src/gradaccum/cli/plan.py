@@ -1,7 +1,7 @@
 """``gradaccum plan``: what a training step needs in memory, and the micro-batch x steps that fit.
 
-Probe windows at two micro-batch sizes measure the peak; the line through them predicts the
-peak at any micro-batch, and with a global batch and a budget, the recommendation. ``--check M``
+Probe windows at several micro-batch sizes measure the peak; the line fitted through them
+predicts the peak at any micro-batch, and with a global batch and a budget, the recommendation. ``--check M``
 measures the real peak at a micro-batch the probes did not use and prints both numbers.
 """
 
@@ -12,6 +12,8 @@ from typing import Any
 
 from gradaccum.cli._errors import UsageError, model_raised, one_line
 from gradaccum.cli._options import check_device, positive_int, seed_int
+
+DEFAULT_PROBES = (2, 4, 8, 16)  # as gradaccum.torch.memory.probe's (not imported: torch loads late)
 
 __all__ = ["add_parser", "load_model"]
 
@@ -89,8 +91,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     budget = None if args.budget is None else parse_bytes(args.budget)
     if budget is not None and budget > MAX_BUDGET:
         raise ValueError(f"--budget must be at most 1 EiB ({MAX_BUDGET} bytes), got {args.budget!r}")
-    if args.probe[0] == args.probe[1]:
-        raise ValueError(f"--probe needs two different micro-batch sizes, got {args.probe}")
+    if len(set(args.probe)) != len(args.probe) or len(args.probe) < 2:
+        raise ValueError(f"--probe needs two or more different micro-batch sizes, got "
+                         f"{' '.join(map(str, args.probe))}")
     model, default_shape = load_model(args.model, args.seed)
     shape = default_shape if args.input_shape is None else parse_shape(args.input_shape)
     if shape is None:
@@ -105,12 +108,19 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     return model.to(device=device, dtype=getattr(torch, args.dtype)), shape, device, budget
 
 
+def _sizes(sizes: list[int]) -> str:
+    """``2, 4, 8 and 16``."""
+    words = list(map(str, sizes))
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def _report(args: argparse.Namespace, est: Any, model: Any, shape: tuple[int, ...], device: Any,
             budget: int | None) -> None:
     from gradaccum.core.memory import format_bytes
 
     n_params = sum(p.numel() for p in model.parameters())
-    m1, m2 = args.probe
+    dropped = sorted(set(args.probe) - set(est.probes))
+    probed = _sizes(list(est.probes)) + (f"; {_sizes(dropped)} ran out of memory" if dropped else "")
     print(f"gradaccum plan: {args.model} ({n_params:,} parameters), input "
           f"{'x'.join(map(str, shape))}, {args.optimizer}, {args.dtype}, {device}")
     for label, value, note in (
@@ -118,12 +128,12 @@ def _report(args: argparse.Namespace, est: Any, model: Any, shape: tuple[int, ..
             ("gradients", est.grad_bytes, ""),
             ("optimizer state", est.optimizer_bytes, ""),
             ("activations", est.activation_bytes_per_sample,
-             f" per sample (probe windows of 2 micro-batches at {m1} and {m2})"),
+             f" per sample (probe windows of 2 micro-batches at {probed})"),
             ("other", est.overhead_bytes, ""),
             ("optimizer step", est.update_peak_bytes, " peak, whatever the micro-batch"),
             ("floor", est.floor, " (micro-batch 1)")):
         print(f"  {label:<18} {format_bytes(value):>10}{note}")
-    top = max(args.global_batch or 256, m2)
+    top = max(args.global_batch or 256, *est.probes)
     print("\n".join(_table(est, [2**i for i in range(top.bit_length())], budget)))
 
 
@@ -137,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(one_line(error)) from None
     optimizer = _optimizer(args.optimizer, model.parameters())
     try:
-        est = estimate_memory(model, optimizer, shape, tuple(args.probe))
+        est = estimate_memory(model, optimizer, shape, args.probe)
     except Exception as error:
         if model_raised(error, set()):  # the input shape does not fit the model
             raise UsageError(f"--model {args.model} raised {type(error).__name__} on input shape "
@@ -174,8 +184,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the parameters' dtype")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--probe", type=positive_int, nargs=2, default=[4, 8], metavar=("M1", "M2"),
-                   help="the two probe micro-batch sizes (default 4 8)")
+    p.add_argument("--probe", type=positive_int, nargs="+", default=list(DEFAULT_PROBES), metavar="M",
+                   help="two or more probe micro-batch sizes; the line is fitted through their "
+                   "peaks (default 2 4 8 16)")
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="the batch to reach (micro-batch x steps) for a recommendation")
     p.add_argument("--budget", default=None,

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from gradaccum.core.validate import check_positive_int
 
-__all__ = ["MemoryEstimate", "fit_line", "format_bytes", "parse_bytes"]
+__all__ = ["MemoryEstimate", "fit_line", "fit_probes", "format_bytes", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -84,6 +85,48 @@ def fit_line(m1: int, y1: float, m2: int, y2: float) -> tuple[float, float]:
     return slope, y1 - slope * a
 
 
+def fit_probes(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """The least-squares line through probes ``(micro_batch, peak)``: ``(slope, intercept)``.
+
+    Two probes give the line through both (:func:`fit_line`). More spread the measurement: on
+    CUDA a probe's peak moves by a few MiB with the convolution algorithm cuDNN picks for that
+    size and with what the allocator has cached, and a slope measured between two small sizes
+    multiplies that noise by every sample it is extrapolated to.
+
+    Args:
+        points: ``(micro_batch, peak_bytes)`` pairs; at least two, the sizes all different.
+
+    Returns:
+        ``(slope, intercept)``: bytes per sample and bytes at micro-batch 0.
+
+    Raises:
+        TypeError, ValueError: fewer than two probes, a size that is not an integer >= 1, or a
+            size given twice.
+
+    Example:
+        >>> fit_probes([(2, 10.0), (4, 18.0)])
+        (4.0, 2.0)
+        >>> fit_probes([(1, 5.0), (2, 7.0), (4, 11.0)])
+        (2.0, 3.0)
+    """
+    sizes = [check_positive_int("probe micro-batch", m) for m, _ in points]
+    if len(sizes) < 2:
+        raise ValueError(f"a line needs at least two probe micro-batch sizes, got {sizes}")
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"the probe micro-batch sizes must differ, got {sizes}")
+    if len(points) == 2:
+        (m1, y1), (m2, y2) = points
+        return fit_line(m1, y1, m2, y2)
+    n = len(points)
+    mean_m = Fraction(sum(sizes), n)
+    ys = [Fraction(y) for _, y in points]
+    mean_y = sum(ys, Fraction(0)) / n
+    spread = sum(((m - mean_m) ** 2 for m in sizes), Fraction(0))
+    slope = sum(((m - mean_m) * (y - mean_y) for m, y in zip(sizes, ys, strict=True)),
+                Fraction(0)) / spread
+    return float(slope), float(mean_y - slope * mean_m)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """What a training step needs, in bytes, and the peak it predicts at any micro-batch.
@@ -95,6 +138,7 @@ class MemoryEstimate:
         activation_bytes_per_sample: the peak's growth per sample of micro-batch (the slope).
         overhead_bytes: the rest of the micro-batches' peak that does not grow with their size.
         update_peak_bytes: the peak of the optimizer step, everything alive included.
+        probes: the micro-batch sizes the line was fitted through (empty when built by hand).
 
     Example:
         >>> est = MemoryEstimate(100, 100, 200, 10.0, 50.0)
@@ -110,6 +154,7 @@ class MemoryEstimate:
     activation_bytes_per_sample: float
     overhead_bytes: float
     update_peak_bytes: int = 0
+    probes: tuple[int, ...] = ()
 
     @property
     def static_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """Check 5, planner: ``gradaccum plan``'s predicted peak against the peak of real training.
 
-The prediction is ``estimate_memory`` (what ``gradaccum plan`` runs: probe windows at two
-micro-batch sizes, a line through their peaks) on the benchmark CNN with Adam in float32. The
+The prediction is ``estimate_memory`` (what ``gradaccum plan`` runs: probe windows at its default
+micro-batch sizes 2, 4, 8 and 16, the least-squares line through their peaks) on the benchmark CNN
+with Adam in float32. The
 measurement is independent of the probes: a fresh model trained by an ``Accumulator`` (4
 micro-batches per window, cross-entropy on random labels), one warm-up window at micro-batch 1
 (the optimizer's state), then one window at the size; its peak is ``max_memory_allocated``
@@ -22,7 +23,7 @@ from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome, peak
 from gradaccum.core.memory import format_bytes
 from gradaccum.demos.models import MODELS, build_model
-from gradaccum.torch.memory.probe import estimate_memory
+from gradaccum.torch.memory.probe import DEFAULT_PROBES, estimate_memory
 
 __all__ = ["run", "training_peak"]
 
@@ -58,11 +59,11 @@ def training_peak(ctx: Context, name: str, micro: int) -> int:
 def run(ctx: Context) -> Outcome:
     """Predict with the planner, then measure three sizes the probes did not use."""
     name = "cnn" if ctx.smoke else "bench-cnn"
-    probes, sizes = ((2, 4), (8, 16, 32)) if ctx.smoke else ((8, 16), (32, 96, 256))
+    probes, sizes = DEFAULT_PROBES, ((24, 32, 48) if ctx.smoke else (32, 96, 256))
     model, opt = _fresh(ctx, name)
     est = estimate_memory(model, opt, MODELS[name][1], probes)
     del model, opt  # the measurements start from an empty device
-    ctx.record(model=name, optimizer="adam", probes=probes, steps=STEPS,
+    ctx.record(model=name, optimizer="adam", probes=est.probes, steps=STEPS,
                estimate={"param_bytes": est.param_bytes, "grad_bytes": est.grad_bytes,
                          "optimizer_bytes": est.optimizer_bytes,
                          "activation_bytes_per_sample": est.activation_bytes_per_sample,
@@ -77,5 +78,5 @@ def run(ctx: Context) -> Outcome:
     text = ", ".join(f"{m}: {format_bytes(r['predicted'])} vs {format_bytes(r['measured'])} "
                      f"({100 * r['error']:+.1f}%)" for m, r in rows.items())
     met = all(abs(r["error"]) <= TOLERANCE for r in rows.values())
-    return Outcome(f"{name}, probes {probes[0]},{probes[1]}: {text}",
+    return Outcome(f"{name}, probes {','.join(map(str, est.probes))}: {text}",
                    f"within {100 * TOLERANCE:.0f}% at each size", met)
