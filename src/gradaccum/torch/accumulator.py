@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Any
 
 import torch
 
-from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
-from gradaccum.core.terms import add_terms
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._cached import CachedBackward
+from gradaccum.torch._checkpointing import Checkpointing
+from gradaccum.torch._feeds import Feeds
 from gradaccum.torch._guards import Guard
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
-from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
+from gradaccum.torch._micro_batch import MicroBatch
 from gradaccum.torch._precision import Precision
-from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
-from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -46,7 +43,7 @@ def _open_steps(acc: Accumulator) -> int:
     return acc.micro_step
 
 
-class Accumulator(WindowHooks):
+class Accumulator(Feeds, Checkpointing, WindowHooks):
     """Accumulate the gradients of N micro-batches and apply them as one exact update.
 
     Gradients add up in ``.grad``; the parameters change only at a window's boundary (unscale,
@@ -217,96 +214,6 @@ class Accumulator(WindowHooks):
         self._guard.note()
         return self._commit(nxt)
 
-    def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
-                        chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
-                        ) -> bool:
-        """Feed one batch whose loss couples its examples (contrastive), at one chunk's memory.
-
-        The whole batch's exact gradient by representation caching, as one micro-batch of the
-        window (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk
-        again with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
-
-        Args:
-            encode: ``encode(chunk)`` gives a tensor or tuple of tensors, dim 0 the chunk's examples.
-            loss_fn: ``loss_fn(*reps)`` gets each output concatenated over chunks (and ranks) and
-                returns the scalar loss; non-floating outputs (labels) carry no grad.
-            chunks: the batch's micro-batches, a non-empty iterable (:func:`gradaccum.chunks`).
-            n_items: the batch's items (this rank's), as for :meth:`backward`.
-            reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the items.
-
-        Returns:
-            True when this call completed the window and the optimizer stepped.
-
-        Raises:
-            TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
-                not tensors, without dim 0 or grad, or changing; a non-scalar loss). Then, and if
-                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as
-                they were.
-
-        Example:
-            >>> import gradaccum
-            >>> enc = torch.nn.Linear(4, 3)
-            >>> acc = Accumulator(torch.optim.SGD(enc.parameters(), lr=0.1), steps=1, model=enc)
-            >>> loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
-            >>> acc.backward_cached(enc, loss_fn, gradaccum.chunks(torch.randn(10, 4), 4))
-            True
-        """
-        n = check_items(n_items, reduction)
-        self._before_feed(self._window)
-        window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
-        self._guard.note()
-        return self._commit(window)
-
-    @contextmanager
-    def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
-        """Feed one micro-batch whose loss comes from several forward graphs (multi-task).
-
-        Call ``mb.backward(loss)`` right after each task's forward, so only one autograd graph is
-        alive at a time; the block counts as one micro-batch and the handle closes with it. On an
-        exception inside the block, call :meth:`discard`: its gradients are partly accumulated.
-
-        Terms of different normalizers (a policy term per sequence, an entropy bonus per token,
-        an auxiliary loss per micro-batch): open the block without ``n_items`` and give each
-        term its count and its total over the window, ``mb.backward(mb.term(loss, n_items,
-        total=T) + ...)`` (:meth:`MicroBatch.term`); a plain loss in the sum weighs ``1/N``, a
-        mean over the window's micro-batches. Exact for a full window (one holding a term cannot
-        be flushed early: docs/INTEGRATIONS.md).
-
-        Example:
-            >>> model = torch.nn.Linear(3, 2)
-            >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
-            >>> x = torch.randn(4, 3)
-            >>> with acc.micro_batch() as mb:
-            ...     mb.backward(model(x)[:, 0].pow(2).mean())
-            ...     mb.backward(model(x)[:, 1].abs().mean())
-            >>> mb.stepped
-            True
-        """
-        n = check_items(n_items, reduction)
-        summed = reduction == "sum"
-        window = self._window
-        self._before_feed(window)
-        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
-        pending = window.advance(term, scale=scale, summed=summed)
-        check_total(pending.items)
-
-        def run(loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            self._precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
-            return loss.detach(), 1 if n is None or summed else n
-
-        fed: list[tuple[Any, Any]] = []  # (n_items, total) of each term, in call order
-
-        def weigh(n_term: Any, total: Any, term_reduction: Any) -> Any:
-            factor = term_factor(n_term, total, term_reduction, n, self._sync.world_size, pending.size)
-            fed.append((term_count(n_term), term_count(total)))
-            return factor
-
-        with micro_batch_block(run, weigh) as mb:
-            yield mb
-        self._guard.note()
-        mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts),
-                                                   terms=add_terms(pending.terms, fed)))
-
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
         DDP/FSDP2 every rank must call it. Returns True when the optimizer stepped.
@@ -424,43 +331,6 @@ class Accumulator(WindowHooks):
         self._guard.forget()
         self._window = Window(self._window.size, basis=basis)
 
-    def state_dict(self) -> dict[str, Any]:
-        """All a bit-exact resume in the middle of a window needs (counters, window, partial
-        gradients and losses, the last window's loss); save it beside the model's and optimizer's.
-
-        Raises:
-            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
-                live inside FSDP2 (save at ``micro_step == 0``).
-        """
-        if not self._window.empty:
-            self._sync.check_saveable()
-        return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
-                          self.window_loss, self._params, self._precision.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`, partial gradients included.
-
-        Raises:
-            TypeError, ValueError: a field is missing, of the wrong type or out of range (the
-                message names the key), or the state comes from an accumulator with another
-                ``steps`` or other parameters; nothing is changed then.
-        """
-        window = check_state(state, self.schedule.describe(), self._params)
-        self._check_size(window.size, state)
-        self._precision.check_state(state.get("accum"))
-        if not window.empty:
-            self._holders.refuse_overlap(self, "load a partial window")
-        restore_grads(self._params, state["grads"])
-        self._precision.load_state_dict(state.get("accum"))
-        for key in COUNTERS:
-            setattr(self, key, state[key])
-        last = state.get("window_loss")
-        self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
-        self._window = restore_window(state, window)
-        self._sync.prepare(self._window.next_is_last)
-        self._holders.adopt()
-        self._guard.note() if not self._window.empty else self._guard.forget()
-
     def __del__(self) -> None:
         # Dropped with a partial window: its gradients stay in .grad; the next accumulator over
         # these parameters discards them with a warning (torch/_holders.py).
@@ -468,16 +338,6 @@ class Accumulator(WindowHooks):
             self._guard.remove()
             if self._window.micro_step:
                 self._holders.orphan(self._window.micro_step, self._window.size)
-
-    def _check_size(self, size: int, state: dict[str, Any]) -> None:
-        """A saved window's size is the one ``steps`` gives at the saved count (else the window
-        would never complete, or complete early)."""
-        by_epoch = self.schedule.by == "epoch"
-        count = state["epoch" if by_epoch else "optimizer_steps"]
-        want = self.schedule(count)
-        if size != want:
-            raise ValueError(f"state['window']['size'] is {size}, but steps={self.schedule.describe()!r} "
-                             f"gives {want} at {'epoch' if by_epoch else 'optimizer step'} {count}")
 
     def __repr__(self) -> str:
         steps, micro, done = self.schedule.describe(), self.micro_step, self.optimizer_steps

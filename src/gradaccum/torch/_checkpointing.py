@@ -1,0 +1,88 @@
+"""The accumulator's checkpoint: ``state_dict`` and ``load_state_dict``, as a mixin.
+
+:class:`~gradaccum.Accumulator` inherits these two methods; the record they save and check is in
+``torch/_state.py``. Everything they read or restore is the accumulator's: its window record,
+counters, partial gradients, precision buffers, and the other accumulators over its parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradaccum.core.checkpoint import COUNTERS
+from gradaccum.core.schedule import Schedule
+from gradaccum.core.window import Window
+from gradaccum.torch._guards import Guard
+from gradaccum.torch._holders import Holders
+from gradaccum.torch._precision import Precision
+from gradaccum.torch._state import check_state, pack_state, restore_grads, restore_window
+from gradaccum.torch._window_loss import WindowLoss
+from gradaccum.torch.distributed.base import GradSync
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing:
+    """``state_dict``/``load_state_dict`` of :class:`~gradaccum.Accumulator` (set in its
+    ``__init__``: the attributes below)."""
+
+    schedule: Schedule
+    _window: Window
+    _last_loss: WindowLoss | None
+    _params: list[torch.Tensor]
+    _precision: Precision
+    _sync: GradSync
+    _holders: Holders
+    _guard: Guard
+
+    def _saved_loss(self) -> torch.Tensor | None:
+        return None if self._last_loss is None else self._last_loss.value()
+
+    def state_dict(self) -> dict[str, Any]:
+        """All a bit-exact resume in the middle of a window needs (counters, window, partial
+        gradients and losses, the last window's loss); save it beside the model's and optimizer's.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
+                live inside FSDP2 (save at ``micro_step == 0``).
+        """
+        if not self._window.empty:
+            self._sync.check_saveable()
+        return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
+                          self._saved_loss(), self._params, self._precision.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict`, partial gradients included.
+
+        Raises:
+            TypeError, ValueError: a field is missing, of the wrong type or out of range (the
+                message names the key), or the state comes from an accumulator with another
+                ``steps`` or other parameters; nothing is changed then.
+        """
+        window = check_state(state, self.schedule.describe(), self._params)
+        self._check_size(window.size, state)
+        self._precision.check_state(state.get("accum"))
+        if not window.empty:
+            self._holders.refuse_overlap(self, "load a partial window")
+        restore_grads(self._params, state["grads"])
+        self._precision.load_state_dict(state.get("accum"))
+        for key in COUNTERS:
+            setattr(self, key, state[key])
+        last = state.get("window_loss")
+        self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
+        self._window = restore_window(state, window)
+        self._sync.prepare(self._window.next_is_last)
+        self._holders.adopt()
+        self._guard.note() if not self._window.empty else self._guard.forget()
+
+    def _check_size(self, size: int, state: dict[str, Any]) -> None:
+        """A saved window's size is the one ``steps`` gives at the saved count (else the window
+        would never complete, or complete early)."""
+        by_epoch = self.schedule.by == "epoch"
+        count = state["epoch" if by_epoch else "optimizer_steps"]
+        want = self.schedule(count)
+        if size != want:
+            raise ValueError(f"state['window']['size'] is {size}, but steps={self.schedule.describe()!r} "
+                             f"gives {want} at {'epoch' if by_epoch else 'optimizer step'} {count}")
