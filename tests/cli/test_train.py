@@ -83,7 +83,7 @@ def test_compare_runs_each_setting_and_matches_the_large_batch(tmp_path, capsys)
 
 def test_settings_are_validated():
     assert parse_settings("8x8") == [(8, 8)]
-    for bad in ("8", "8x0", "x2", "8x2.5"):
+    for bad in ("8", "8x0", "x2", "8x2.5", "064x1", "8x+2", "\u0668x2"):  # counts written plainly
         with pytest.raises(ValueError, match="MICROxSTEPS"):
             parse_settings(bad)
     assert parse_settings("8x8,8x4,4x8") == [(8, 8), (8, 4), (4, 8)]  # distinct: each runs once

@@ -32,6 +32,11 @@ DEFAULT_SETTINGS = "64x1,32x2,8x8"
 BACKENDS = ("torch", "mindspore")
 
 
+def _plain_count(text: str) -> bool:
+    """An integer >= 1 written plainly, as every other count ("8", not "08", "+8" or "٨")."""
+    return text.isascii() and text.isdigit() and str(int(text)) == text and int(text) > 0
+
+
 def parse_settings(text: str) -> list[tuple[int, int]]:
     """Parse ``"64x1,32x2"`` into ``[(64, 1), (32, 2)]``.
 
@@ -47,7 +52,7 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
     settings = []
     for entry in text.split(","):
         micro, sep, steps = entry.strip().partition("x")
-        if not (sep and micro.isdigit() and steps.isdigit() and int(micro) > 0 and int(steps) > 0):
+        if not (sep and _plain_count(micro) and _plain_count(steps)):
             raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
         setting = (check_count(int(micro), "--settings micro-batch"),
                    check_count(int(steps), "--settings steps"))
