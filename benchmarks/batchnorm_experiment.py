@@ -14,7 +14,9 @@ the raw numbers ``docs/batchnorm_results.json``::
 
     PYTHONPATH=src python benchmarks/batchnorm_experiment.py
 
-``--limit-train 2048 --limit-test 1000 --epochs 1 --stats-windows 4`` gives a smoke run in seconds;
+``--limit-train 2048 --limit-test 1000 --epochs 1 --stats-windows 4 --doc /tmp/BATCHNORM.md
+--png /tmp/batchnorm.png --json /tmp/batchnorm_results.json`` gives a smoke run in seconds (its
+own paths: the defaults are the committed page and results);
 ``--render docs/batchnorm_results.json`` rewrites the doc and the plot from saved numbers.
 """
 

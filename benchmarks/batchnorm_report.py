@@ -80,6 +80,16 @@ def _early_late(values: list[float]) -> str:
     return f"{values[0]:.1e} / {values[-1]:.1e}" if values else "n/a (no running statistics)"
 
 
+def _gap_before(results: dict[str, Any]) -> str:
+    """How the 256x1 / window-BN accuracy gap stood after the second epoch, said as measured."""
+    ref, window = (results["runs"][i]["accuracy"] for i in (0, 4))
+    if len(ref) < 3:  # a run of one or two epochs has no earlier epoch to set beside the last
+        return ""
+    same_side = (ref[-1] - window[-1]) * (ref[1] - window[1]) > 0
+    return (", and it " + ("stood the same way" if same_side else "was reversed") + " after the "
+            "second epoch ([[runs.0.accuracy.1|.2f]]% against [[runs.4.accuracy.1|.2f]]%)")
+
+
 def _recommendation(results: dict[str, Any]) -> tuple[str, list[str]]:
     """The advice, each number a placeholder bound to the results (runs by index: 0 the 256x1
     reference, 1 plain, 2 compound, 3 linear, 4 window, 5 GroupNorm; part B likewise, 0 to 4)."""
@@ -115,8 +125,7 @@ def _recommendation(results: dict[str, Any]) -> tuple[str, list[str]]:
         "same [[restimate.4.var_distance.1|.0e]] running_var distance on the second layer, and the "
         "16x16 weights differ from the 256x1 weights for the same reason. The accuracy gap that leaves "
         "([[runs.0.accuracy.-1|.2f]]% for 256x1 against [[runs.4.accuracy.-1|.2f]]% after "
-        "[[settings.epochs|]] epochs) is one seed's, and it was reversed after the second epoch "
-        "([[runs.0.accuracy.1|.2f]]% against [[runs.4.accuracy.1|.2f]]%).",
+        "[[settings.epochs|]] epochs) is one seed's" + _gap_before(results) + ".",
         "**GroupNorm** is the one choice that makes accumulation exact for the whole model (any split of "
         "the batch gives the same gradients), but it is another model, to train and tune as such: here "
         + ", ".join(f"[[runs.5.accuracy.{e}|.2f]]" for e in range(len(results["runs"][5]["accuracy"])))
