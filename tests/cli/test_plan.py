@@ -84,9 +84,17 @@ def test_check_of_a_recommendation_needs_a_global_batch(capsys):
 
 
 def test_the_cli_default_probes_are_the_library_default():
-    from gradaccum.cli.plan import DEFAULT_PROBES as CLI
-    from gradaccum.torch.memory.probe import DEFAULT_PROBES
-    assert CLI == DEFAULT_PROBES
+    import argparse
+    import inspect
+
+    from gradaccum.cli.plan import add_parser
+    from gradaccum.core.memory import DEFAULT_PROBES
+    from gradaccum.torch.memory.probe import estimate_memory
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["plan"]).probe == list(DEFAULT_PROBES)
+    assert inspect.signature(estimate_memory).parameters["probes"].default == DEFAULT_PROBES
 
 
 def test_probes_that_run_out_of_memory_are_named_in_the_report(monkeypatch, capsys):

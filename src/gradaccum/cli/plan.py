@@ -12,8 +12,7 @@ from typing import Any
 
 from gradaccum.cli._errors import UsageError, model_raised, one_line
 from gradaccum.cli._options import check_device, positive_int, seed_int
-
-DEFAULT_PROBES = (2, 4, 8, 16)  # as gradaccum.torch.memory.probe's (not imported: torch loads late)
+from gradaccum.core.memory import DEFAULT_PROBES, check_probe_sizes
 
 __all__ = ["add_parser", "load_model"]
 
@@ -91,9 +90,11 @@ def _setup(args: argparse.Namespace) -> tuple[Any, tuple[int, ...], Any, int | N
     budget = None if args.budget is None else parse_bytes(args.budget)
     if budget is not None and budget > MAX_BUDGET:
         raise ValueError(f"--budget must be at most 1 EiB ({MAX_BUDGET} bytes), got {args.budget!r}")
-    if len(set(args.probe)) != len(args.probe) or len(args.probe) < 2:
+    try:
+        check_probe_sizes(args.probe)
+    except ValueError:
         raise ValueError(f"--probe needs two or more different micro-batch sizes, got "
-                         f"{' '.join(map(str, args.probe))}")
+                         f"{' '.join(map(str, args.probe))}") from None
     model, default_shape = load_model(args.model, args.seed)
     shape = default_shape if args.input_shape is None else parse_shape(args.input_shape)
     if shape is None:

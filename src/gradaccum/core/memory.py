@@ -23,7 +23,10 @@ from fractions import Fraction
 
 from gradaccum.core.validate import check_positive_int
 
-__all__ = ["MemoryEstimate", "fit_line", "fit_probes", "format_bytes", "parse_bytes"]
+__all__ = ["DEFAULT_PROBES", "MemoryEstimate", "check_probe_sizes", "fit_line", "fit_probes",
+           "format_bytes", "parse_bytes"]
+
+DEFAULT_PROBES = (2, 4, 8, 16)  # micro-batch sizes of the probe windows (gradaccum plan, estimate_memory)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -85,6 +88,25 @@ def fit_line(m1: int, y1: float, m2: int, y2: float) -> tuple[float, float]:
     return slope, y1 - slope * a
 
 
+def check_probe_sizes(sizes: Sequence[int]) -> list[int]:
+    """Probe micro-batch sizes, smallest first: at least two, each an integer >= 1, all different.
+
+    Raises:
+        TypeError, ValueError: fewer than two sizes, a size that is not an integer >= 1, or a size
+            given twice.
+
+    Example:
+        >>> check_probe_sizes([8, 2, 4])
+        [2, 4, 8]
+    """
+    checked = [check_positive_int("probe micro-batch", m) for m in sizes]
+    if len(checked) < 2:
+        raise ValueError(f"a line needs at least two probe micro-batch sizes, got {checked}")
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"the probe micro-batch sizes must differ, got {checked}")
+    return sorted(checked)
+
+
 def fit_probes(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """The least-squares line through probes ``(micro_batch, peak)``: ``(slope, intercept)``.
 
@@ -109,11 +131,8 @@ def fit_probes(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
         >>> fit_probes([(1, 5.0), (2, 7.0), (4, 11.0)])
         (2.0, 3.0)
     """
-    sizes = [check_positive_int("probe micro-batch", m) for m, _ in points]
-    if len(sizes) < 2:
-        raise ValueError(f"a line needs at least two probe micro-batch sizes, got {sizes}")
-    if len(set(sizes)) != len(sizes):
-        raise ValueError(f"the probe micro-batch sizes must differ, got {sizes}")
+    check_probe_sizes([m for m, _ in points])
+    sizes = [m for m, _ in points]
     if len(points) == 2:
         (m1, y1), (m2, y2) = points
         return fit_line(m1, y1, m2, y2)

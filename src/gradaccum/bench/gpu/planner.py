@@ -23,7 +23,7 @@ from gradaccum import Accumulator
 from gradaccum.bench.gpu.check import Context, Outcome, peak
 from gradaccum.core.memory import format_bytes
 from gradaccum.demos.models import MODELS, build_model
-from gradaccum.torch.memory.probe import DEFAULT_PROBES, estimate_memory
+from gradaccum.torch.memory.probe import estimate_memory
 
 __all__ = ["run", "training_peak"]
 
@@ -59,9 +59,9 @@ def training_peak(ctx: Context, name: str, micro: int) -> int:
 def run(ctx: Context) -> Outcome:
     """Predict with the planner, then measure three sizes the probes did not use."""
     name = "cnn" if ctx.smoke else "bench-cnn"
-    probes, sizes = DEFAULT_PROBES, ((24, 32, 48) if ctx.smoke else (32, 96, 256))
+    sizes = (24, 32, 48) if ctx.smoke else (32, 96, 256)
     model, opt = _fresh(ctx, name)
-    est = estimate_memory(model, opt, MODELS[name][1], probes)
+    est = estimate_memory(model, opt, MODELS[name][1])  # gradaccum plan's default probes
     del model, opt  # the measurements start from an empty device
     ctx.record(model=name, optimizer="adam", probes=est.probes, steps=STEPS,
                estimate={"param_bytes": est.param_bytes, "grad_bytes": est.grad_bytes,

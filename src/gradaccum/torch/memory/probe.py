@@ -17,15 +17,13 @@ from typing import TypeVar
 import torch
 
 from gradaccum.core import check_positive_int
-from gradaccum.core.memory import MemoryEstimate, fit_probes
+from gradaccum.core.memory import DEFAULT_PROBES, MemoryEstimate, check_probe_sizes, fit_probes
 from gradaccum.torch.memory.oom import is_oom_error, release_memory
 
-__all__ = ["DEFAULT_PROBES", "cpu_allocations", "estimate_memory", "measure_peak", "tensor_bytes",
-           "window_peaks"]
+__all__ = ["cpu_allocations", "estimate_memory", "measure_peak", "tensor_bytes", "window_peaks"]
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 T = TypeVar("T")
-DEFAULT_PROBES = (2, 4, 8, 16)  # micro-batch sizes of the probe windows
 
 
 def _square_mean(out: torch.Tensor) -> torch.Tensor:
@@ -233,8 +231,7 @@ def estimate_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     if isinstance(probes, (str, bytes)) or not isinstance(probes, Sequence):
         raise TypeError(f"probes must be a sequence of micro-batch sizes, got {probes!r}")
-    sizes = sorted(check_positive_int("probe micro-batch", m) for m in probes)
-    fit_probes([(m, 0.0) for m in sizes])  # rejects too few or repeated sizes before any work
+    sizes = check_probe_sizes(probes)  # before any work
     window_peaks(model, optimizer, sample_shape, sizes[0], loss_fn=loss_fn)
     measured = _probe_windows(model, optimizer, sample_shape, sizes, loss_fn)
     slope, intercept = fit_probes([(m, peak) for m, peak, _ in measured])
