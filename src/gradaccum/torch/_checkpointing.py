@@ -37,7 +37,8 @@ class Checkpointing:
     _holders: Holders
     _guard: Guard
 
-    def _saved_loss(self) -> torch.Tensor | None:
+    def _last_window_loss(self) -> torch.Tensor | None:
+        """The last applied window's loss (``Accumulator.window_loss``), summed now."""
         return None if self._last_loss is None else self._last_loss.value()
 
     def state_dict(self) -> dict[str, Any]:
@@ -51,7 +52,7 @@ class Checkpointing:
         if not self._window.empty:
             self._sync.check_saveable()
         return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
-                          self._saved_loss(), self._params, self._precision.state_dict())
+                          self._last_window_loss(), self._params, self._precision.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.

@@ -169,7 +169,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         """The last applied window's loss, weighted like its gradient (a 0-dim tensor; ``None``
         before the first boundary). Under DDP/FSDP2 it is the loss over every rank's items.
         Summed when read (no cost for a loop that never logs it, no GPU sync)."""
-        return None if self._last_loss is None else self._last_loss.value()
+        return self._last_window_loss()
 
     @property
     def windows(self) -> int:
