@@ -33,14 +33,25 @@ MAX_LR = 1e30  # beyond it a float32 update overflows for any gradient above 1e-
 MAX_TOLERANCE = 1e3
 
 
-def _int(text: str, minimum: int, maximum: int) -> int:
-    """``text`` as an integer from ``minimum`` to ``maximum``, written plainly ("3", not "03",
-    "+3", "3_000" or "3e3")."""
+def plain_int(text: str) -> int | None:
+    """``text`` as an integer if it is written plainly, else None: ASCII digits, no leading zero,
+    sign, underscore or exponent ("3", not "03", "+3", "3_000", "3e3" or "٣").
+
+    Example:
+        >>> plain_int("3"), plain_int("03"), plain_int("٣")
+        (3, None, None)
+    """
     try:
         value = int(text)
     except ValueError:
-        value = minimum - 1
-    if value < minimum or str(value) != text.strip():
+        return None
+    return value if str(value) == text else None
+
+
+def _int(text: str, minimum: int, maximum: int) -> int:
+    """``text`` as an integer from ``minimum`` to ``maximum``, written plainly (:func:`plain_int`)."""
+    value = plain_int(text.strip())
+    if value is None or value < minimum:
         raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
     if value > maximum:
         raise argparse.ArgumentTypeError(f"must be an integer <= {maximum}, got {text!r}")

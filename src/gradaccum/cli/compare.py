@@ -20,7 +20,7 @@ from types import FrameType
 from typing import Any
 
 from gradaccum.cli._errors import CommandError, UsageError
-from gradaccum.cli._options import check_count, check_device, mnist_dir, out_dir, writable_dir
+from gradaccum.cli._options import check_count, check_device, mnist_dir, out_dir, plain_int, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
 from gradaccum.demos.interrupt import Interrupted, handling
 from gradaccum.demos.outputs import CHECKPOINT, atomic_write
@@ -30,11 +30,6 @@ __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 
 DEFAULT_SETTINGS = "64x1,32x2,8x8"
 BACKENDS = ("torch", "mindspore")
-
-
-def _plain_count(text: str) -> bool:
-    """An integer >= 1 written plainly, as every other count ("8", not "08", "+8" or "٨")."""
-    return text.isascii() and text.isdigit() and str(int(text)) == text and int(text) > 0
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -51,11 +46,11 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
     """
     settings = []
     for entry in text.split(","):
-        micro, sep, steps = entry.strip().partition("x")
-        if not (sep and _plain_count(micro) and _plain_count(steps)):
+        left, _, right = entry.strip().partition("x")
+        micro, steps = plain_int(left), plain_int(right)  # written plainly, as every other count
+        if micro is None or steps is None or micro < 1 or steps < 1:
             raise ValueError(f"--settings entry {entry.strip()!r} is not MICROxSTEPS, e.g. 32x2")
-        setting = (check_count(int(micro), "--settings micro-batch"),
-                   check_count(int(steps), "--settings steps"))
+        setting = (check_count(micro, "--settings micro-batch"), check_count(steps, "--settings steps"))
         if setting in settings:
             raise ValueError(f"--settings {text!r} gives {setting[0]}x{setting[1]} twice: each "
                              "setting runs once")
