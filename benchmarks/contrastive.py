@@ -35,7 +35,6 @@ import argparse
 import copy
 import dataclasses
 import importlib.metadata
-import json
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.measure import Timings, allocator_memory, device_sync, interleaved, saved_activations
+from gradaccum.bench.results_file import write_results
 from gradaccum.bench.sentence import BERT_BENCH, mnrl_contenders, sentence_model, sentence_pairs, write_bert
 from gradaccum.bench.towers import TOWERS_BENCH, TwoTowers, contenders, pair_batch
 
@@ -238,8 +238,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "rows": rows,
                "goals": met}
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        write_results(args.json, results, default=str)
     return results
 
 

@@ -17,7 +17,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradaccum
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 from gradaccum.torch.distributed.collectives import RankGroups
 
 MODES = ("window", "micro_batch")
@@ -142,13 +142,12 @@ def report(args: argparse.Namespace, runs: dict[str, Any]) -> None:
     print("\n(DDP's gradient all-reduces: one per bucket, counted by a comm hook; the accumulator's: "
           "the window's loss sum, and its item total under item weighting)")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         ratios = {"payload": rows[1]["payload_mib_per_step"] / rows[0]["payload_mib_per_step"],
                   "calls": rows[1]["grad_all_reduces_per_step"] / rows[0]["grad_all_reduces_per_step"]}
-        args.json.write_text(json.dumps({"machine": machine, "setup": setup, "settings": settings,
-                                         "params_millions": params / 1e6, "rows": rows,
-                                         "micro_batch_over_window": ratios}, indent=2) + "\n")
+        write_results(args.json, {"machine": machine, "setup": setup, "settings": settings,
+                                  "params_millions": params / 1e6, "rows": rows,
+                                  "micro_batch_over_window": ratios}, indent=2)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gradaccum.bench.machine import describe_machine  # noqa: E402
+from gradaccum.bench.results_file import write_results  # noqa: E402
 from tests.doc_binding import cited  # noqa: E402
 
 MYNETS = '''from torch import nn
@@ -175,8 +175,7 @@ def main() -> None:
         outputs["check_ranks_unused"] = ranks_unused()
     result = {"machine": describe_machine(), "outputs": outputs,
               "benchmark_seconds": time.perf_counter() - start}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import subprocess
 import sys
 from pathlib import Path
 
+from gradaccum.bench.results_file import write_results
 from gradaccum.cli.info import describe_machine
 
 CHILD = """
@@ -97,11 +97,10 @@ def main() -> None:
         print(f"| {seed} | {rows['list'][str(seed)]:.1f} | {rows['buffer'][str(seed)]:.1f} |", flush=True)
     if args.json is not None:
         summary = {k: {"min": min(v.values()), "max": max(v.values())} for k, v in rows.items()}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": {**machine, "glibc": _glibc()},
-                                         "settings": {"seeds": args.seeds, "windows": args.windows,
-                                                      "micro_batch": 32, "steps": 2},
-                                         "growth_mib": rows, "summary": summary}, indent=2) + "\n")
+        write_results(args.json, {"machine": {**machine, "glibc": _glibc()},
+                                  "settings": {"seeds": args.seeds, "windows": args.windows,
+                                               "micro_batch": 32, "steps": 2},
+                                  "growth_mib": rows, "summary": summary}, indent=2)
 
 
 def _glibc() -> str:

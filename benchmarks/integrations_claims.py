@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gradaccum.bench.machine import describe_machine  # noqa: E402
+from gradaccum.bench.results_file import write_results  # noqa: E402
 
 
 def accelerate_figures(tmp: Path) -> dict[str, Any]:
@@ -207,8 +207,7 @@ def main() -> None:
                   "rl": rl_figures(), "terms": terms_figures(),
                   "language_models": language_model_figures()}
     result["benchmark_seconds"] = time.perf_counter() - start
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL_REPORTED = [84.8, 90.1, 92.0]  # the MindSpore tutorial's accuracies (cited, not measured)
@@ -120,8 +121,7 @@ def main() -> None:
         result |= part_seeds(work, extra)
         result["msrun"] = part_msrun(work, extra)
     result["benchmark_seconds"] = time.perf_counter() - start
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result, indent=2)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")
 
 

@@ -13,7 +13,6 @@ match).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -22,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.doc_binding import cited  # noqa: E402  (the numbers of a line as a page's test reads them)
+from tests.doc_binding import cited  # the numbers of a line as a page's test reads them
 
 BASE = ["--global-batch", "256", "--budget", "512MiB"]
 CHECKS = {"recommended": ["--check"], "24x4": ["--check", "24"],
@@ -84,8 +84,7 @@ def main() -> None:
     saved = saved_bytes_per_sample()
     result = {"machine": describe_machine(), "model": "bench-cnn", "runs": runs,
               "saved_tensor_mib_per_sample": saved / 2**20, "benchmark_seconds": time.perf_counter() - start}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result, indent=2)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")
 
 

@@ -86,6 +86,7 @@ def main() -> int:
     import torch
 
     from gradaccum.bench.machine import describe_machine
+    from gradaccum.bench.results_file import write_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -101,8 +102,7 @@ def main() -> int:
               "sizes": list(SIZES), "peaks": measured, "estimates": predicted,
               "error_percent": errors(predicted, measured["cudnn"]),
               "benchmark_seconds": time.perf_counter() - start}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.json, result)
     print(json.dumps(result["error_percent"], indent=1))
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from torch import nn
 
 from gradaccum import Accumulator
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import build_model
 
@@ -161,8 +161,7 @@ def main() -> None:
     results["memory"] = {"elements": numel, "computed_bytes": 4 * numel, "bf16_param_bytes": 2 * numel,
                          "measured_bytes": nbytes}
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        write_results(args.json, results, default=str)
     if device.type == "cuda":
         print(f"CUDA peak while accumulating: bf16 {peak_narrow} bytes, fp32 buffers {peak_wide} bytes, "
               f"difference {peak_wide - peak_narrow}")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 
 RUNS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                      "-m", "gradaccum", "train", "--micro-batch", "16", "--steps", "2"],
@@ -52,8 +53,7 @@ def main() -> None:
     steps = runs["one_process"]["epochs"][-1]["optimizer_steps"]  # cumulative
     result = {"machine": describe_machine(), "commands": {k: " ".join(v[1:]) for k, v in RUNS.items()},
               "runs": runs, "max_param_diff": diff, "largest_param": largest, "optimizer_steps": steps}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result, indent=2)
     print(f"wrote {args.json}: max param diff {diff:.1e}")
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 
 MIB = 2**20
 # The MindSpore tutorial's reported test accuracy (%) after epochs 1, 2, 3 (cited, not measured).
@@ -134,8 +135,7 @@ def main() -> None:
             result = part_rss(work, args.runs)
     result = {"machine": describe_machine(), **result,
               "benchmark_seconds": time.perf_counter() - start}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result, indent=2)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")
 
 

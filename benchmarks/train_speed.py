@@ -10,7 +10,6 @@ step + zero_grad every N). Runs alternate A, B, A, B in one process; the table r
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.results_file import write_results
 from gradaccum.demos.config import TrainConfig
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import build_model
@@ -83,9 +83,7 @@ def main() -> None:
     if args.json is not None:
         settings = {"epochs": config.epochs, "repeats": args.repeats, "micro_batch": config.micro_batch,
                     "steps": int(config.steps), "limit_train": args.limit_train}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows},
-                                        indent=2) + "\n")
+        write_results(args.json, {"machine": machine, "settings": settings, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":
