@@ -173,6 +173,72 @@ def fsdp_run(rank: int, world: int, sync: str) -> dict[str, Any]:
     return {"params": full, "want": [*want[1:], want[0]]}
 
 
+def failing(forward: Any, at: int) -> Any:
+    """``encode`` through ``forward`` whose call ``at`` (from 0) raises."""
+    calls = [0]
+
+    def encode(chunk: Any) -> Any:
+        calls[0] += 1
+        if calls[0] - 1 == at:
+            raise RuntimeError("encode failed")
+        return forward(chunk)
+
+    return encode
+
+
+def failures_run(rank: int, world: int, wrapper: str) -> dict[str, Any]:
+    """A call that raises in its second pass (after its first chunk's backward, every rank alike):
+    on a window's first micro-batch it leaves nothing (under FSDP2 ``sync="window"`` too, whose
+    gradients live inside it); later in a window it leaves the window partly accumulated, refused
+    until ``discard()``. The windows fed afterwards equal one process on their global batches."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    base = Towers()
+    if wrapper == "ddp":
+        model: Any = DDP(copy.deepcopy(base))
+        params, scale = list(model.parameters()), model.module.logit_scale
+    else:
+        model = Encoders(base)
+        for tower in (model.image, model.text):
+            fully_shard(tower)
+        fully_shard(model)
+        scale = nn.Parameter(base.logit_scale.detach().clone())
+        params = [*model.parameters(), scale]
+    acc = gradaccum.Accumulator(torch.optim.SGD(params, lr=0.1, momentum=0.9), STEPS, model=model)
+    batches = global_batches(EVEN, seed=70)
+    mine = [my_chunks(b, EVEN, rank) for b in batches]
+
+    def feed(chunks: list[Any], encode: Any = lambda c: model(*c)) -> bool:
+        return acc.backward_cached(encode, lambda i, t: clip_loss(i, t, scale), chunks)
+
+    out: dict[str, Any] = {}
+    try:
+        feed(mine[0], failing(lambda c: model(*c), CHUNKS + 1))
+    except RuntimeError as e:
+        out["first"] = str(e)
+    out["left_nothing"] = acc.micro_step == 0 and all(p.grad is None for p in params)
+    feed(mine[0])
+    feed(mine[1])
+    feed(mine[2])
+    try:
+        feed(mine[3], failing(lambda c: model(*c), CHUNKS + 1))
+    except RuntimeError as e:
+        out["later"] = str(e)
+    try:
+        feed(mine[3])
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    acc.discard()
+    feed(mine[2])
+    feed(mine[3])
+    out["steps"] = acc.optimizer_steps
+    out["params"] = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in params]
+    want = reference(base, batches)
+    out["want"] = want if wrapper == "ddp" else [*want[1:], want[0]]
+    return out
+
+
 if __name__ == "__main__":
     run_scenarios({
         "ddp": lambda r, w: ddp_run(r, w),
@@ -185,4 +251,6 @@ if __name__ == "__main__":
         "refusals": refusals,
         "fsdp_window": lambda r, w: fsdp_run(r, w, "window"),
         "fsdp_micro_batch": lambda r, w: fsdp_run(r, w, "micro_batch"),
+        "failures_ddp": lambda r, w: failures_run(r, w, "ddp"),
+        "failures_fsdp": lambda r, w: failures_run(r, w, "fsdp"),
     })

@@ -1,7 +1,7 @@
 """backward_cached on 2 gloo ranks (CPU) against one process on the global batch (float64,
 1e-12): DDP with the temperature inside the module (with and without find_unused_parameters) or
 outside it, ranks holding different numbers of rows, sync='micro_batch', n_items, one gradient
-all-reduce per window, refusals raised on every rank, and FSDP2.
+all-reduce per window, refusals raised on every rank, failures in the second pass, and FSDP2.
 
 All scenarios run in one launch of tests/distributed/cached_ranks.py.
 """
@@ -58,6 +58,16 @@ def test_refusals_are_raised_on_every_rank_and_change_nothing(ranks):
         assert r["unchanged"] and r["micro_step"] == 1
     assert "no batch dimension" in results[1]["no_batch_dim"]
     assert "encode on rank 1" in results[0]["no_batch_dim"]
+
+
+@pytest.mark.parametrize("name", ["failures_ddp", "failures_fsdp"])
+def test_a_failed_call_leaves_nothing_or_a_window_refused_until_discard_on_every_rank(ranks, name):
+    for r in scenario(ranks, name):
+        assert r["first"] == r["later"] == "encode failed"
+        assert r["left_nothing"]  # the window's first micro-batch: nothing left, FSDP2's own included
+        assert "partly accumulated" in r["refused"] and "acc.discard()" in r["refused"]
+        assert r["steps"] == WINDOWS
+        assert largest(r["params"], r["want"]) < 1e-12  # the failures left nothing in the windows
 
 
 @pytest.mark.parametrize("name", ["fsdp_window", "fsdp_micro_batch"])

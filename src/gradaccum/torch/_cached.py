@@ -14,11 +14,16 @@ gives the exact gradient of the whole batch's loss while one chunk's graph is al
 3. *Second pass*: each chunk is encoded again under its replayed RNG state and backpropagated
    from its slice of the leaves' gradient; the graph is freed before the next chunk.
 
-The call is all-or-nothing. The gradients held before it are set aside and the call's own
-gradient builds up from zero; they are added back just before the last chunk's backward (so a
-distributed reduction sees the window's whole sum). An exception before that point puts back the
-gradients, the running statistics and the RNG state; the window record only changes once the
-call has finished.
+The call adds into the window's ``.grad`` in place, as ``backward`` does: it holds no second set
+of gradients. It is all-or-nothing up to the second pass's first backward: an exception before it
+(``encode`` in either pass, a check, ``loss_fn``, the first chunk's forward) leaves the gradients,
+the running statistics, the RNG state and the window as they were (the gradient of ``loss_fn``'s
+own parameters is held out of ``.grad`` until then: :mod:`._cached_grads`). After it, the
+running statistics and the RNG are put back and the gradients that did not exist before the call
+are set back to None; on a window's first micro-batch that is all of them, so nothing is left.
+Later in a window, the gradients held before the call have been added into: the call reports the
+window as partly accumulated (:attr:`CachedBackward.partial`) and the accumulator refuses to feed,
+flush or save it until ``discard()``.
 
 **Data parallel.** Every rank computes the same global loss; rank ``r``'s encoder gradient
 ``J_r^T dL/dz_r`` is one term of the global gradient's sum, so its slice is multiplied by the
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 
 from gradaccum.core.window import Window
+from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
@@ -52,29 +58,6 @@ from gradaccum.torch.distributed.base import GradSync, agree_on_count
 from gradaccum.torch.distributed.ddp import arm_backward, needs_hook_of
 
 __all__ = ["CachedBackward"]
-
-
-class _SetAside:
-    """The gradients held before the call, out of ``.grad`` until :meth:`add_back`."""
-
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = params
-        self.saved = [p.grad for p in params]
-        self.added = False
-        for p in params:
-            p.grad = None
-
-    def add_back(self) -> None:
-        self.added = True
-        for p, g in zip(self.params, self.saved, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-
-    def undo(self) -> None:
-        """Drop the call's gradients and put the old ones back (before :meth:`add_back` only)."""
-        if not self.added:
-            for p, g in zip(self.params, self.saved, strict=True):
-                p.grad = g
 
 
 @contextmanager
@@ -119,6 +102,10 @@ class CachedBackward:
         precision: the accumulator's mixed-precision policy (scaler, wide buffers).
         sync: its gradient sync (pause and arm per chunk; the gathers under data parallel).
         model: its ``model=``: the normalization layers to keep, the DDP/FSDP2 wrapper.
+
+    Attributes:
+        partial: after :meth:`run` raised, True when it had added into gradients the window held
+            before it (the window is then partly accumulated).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], precision: Precision, sync: GradSync,
@@ -131,6 +118,7 @@ class CachedBackward:
         self.model = model
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.checked_norms = False
+        self.partial = False
         self._outside: list[torch.Tensor] | None = None
 
     def run(self, encode: Any, loss_fn: Any, chunks: Any, window: Window, n: Any, summed: bool) -> Window:
@@ -147,8 +135,9 @@ class CachedBackward:
             raise RuntimeError("backward_cached needs grad mode: it was called under torch.no_grad()")
         items = _listed(chunks)
         self._agree_on_chunks(len(items))
-        start, norms = RngStates.capture(), NormStats(self.model)
-        aside: _SetAside | None = None
+        start, norms, before = RngStates.capture(), NormStats(self.model), GradsBefore(self.params)
+        self.partial = False
+        loss_grads: LossGrads | None = None
         try:
             states, results = [], []
             with torch.no_grad():
@@ -162,22 +151,44 @@ class CachedBackward:
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
             nxt, seed = self._weigh(window, share, count, summed)
             end = RngStates.capture()
-            aside = _SetAside(self.params)
+            loss_grads = LossGrads(loss_params(share, leaves))
             seeded_backward(self.precision.scale(share), seed)
+            loss_grads.take()
             del loss, share
             slices = gradient_slices(layout, leaves, own, self.sync.world_size)
             del leaves
-            self._second_pass(encode, items, states, layout, slices, window, norms, aside)
+            self._second_pass(encode, items, states, layout, slices, window, norms, loss_grads)
             self.precision.collect()
         except BaseException:
-            if aside is not None:
-                aside.undo()
+            if loss_grads is not None:
+                loss_grads.undo()
+            self.partial = not self._put_back(before, window, loss_grads is not None and loss_grads.added)
             norms.restore()
             start.restore()
             self.sync.prepare(window.next_is_last)
             raise
         end.restore()
         return nxt
+
+    def _put_back(self, before: GradsBefore, window: Window, began: bool) -> bool:
+        """After an exception: set back the gradients that did not exist before the call (and,
+        under FSDP2 with ``sync="window"``, on a window's first micro-batch, drop what FSDP2 holds);
+        return True when nothing the window held was changed."""
+        intact = before.restore()
+        if began and self._grads_outside():
+            if not window.empty:
+                return False
+            self.sync.discard()
+        return intact
+
+    def _grads_outside(self) -> bool:
+        """True when the sync holds the partial window's gradients outside ``.grad`` (FSDP2 with
+        ``sync="window"``: it refuses to checkpoint them)."""
+        try:
+            self.sync.check_saveable()
+        except RuntimeError:
+            return True
+        return False
 
     # ------------------------------------------------------------------ steps of run
     def _weigh(self, window: Window, loss: torch.Tensor, n: Any, summed: bool) -> tuple[Window, Any]:
@@ -200,9 +211,9 @@ class CachedBackward:
                              "give the same number (> 0) of chunks, each rank its share of the batch")
 
     def _second_pass(self, encode: Any, items: list[Any], states: list[RngStates], layout: Layout,
-                     slices: list[list[Any]], window: Window, norms: NormStats, aside: _SetAside) -> None:
+                     slices: list[list[Any]], window: Window, norms: NormStats, loss_grads: LossGrads
+                     ) -> None:
         sync, ddp, last = self.sync, self.ddp, len(items) - 1
-        from_loss = [p for p in self.params if p.grad is not None]  # used in loss_fn
         armed = False
         for i, chunk in enumerate(items):
             if i == last:
@@ -215,12 +226,12 @@ class CachedBackward:
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
             pairs = [(t, g) for t, g in zip(floats, slices[i], strict=True) if g is not None]
-            if i == last:
-                aside.add_back()
-                if armed and ddp is not None:
-                    pairs += self._loss_roots(ddp, from_loss)
-                    if not through_wrapper[0]:
-                        arm_backward(ddp, floats)
+            if i == 0:
+                loss_grads.add()  # from here on, the call adds into the window's gradients
+            if i == last and armed and ddp is not None:
+                pairs += self._loss_roots(ddp, loss_grads.params)
+                if not through_wrapper[0]:
+                    arm_backward(ddp, floats)
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del outs, floats, pairs
         if armed and sync.world_size > 1:
