@@ -76,9 +76,12 @@ class Encoders(nn.Module):
 
 
 def ddp_run(rank: int, world: int, *, rows: list[int] = EVEN, find_unused: bool = False,
-            outside: bool = False, sync: str = "window") -> dict[str, Any]:
-    """``outside``: the temperature is a parameter of its own, not of the DDP module."""
+            outside: bool = False, sync: str = "window", frozen: bool = False) -> dict[str, Any]:
+    """``outside``: the temperature is a parameter of its own, not of the DDP module; ``frozen``:
+    the text tower does not train (``requires_grad_(False)``), in the reference too."""
     towers = Towers()
+    if frozen:
+        towers.text.requires_grad_(False)
     base: nn.Module = Encoders(towers) if outside else towers
     model = copy.deepcopy(base)
     temperature = nn.Parameter(torch.tensor(0.7, dtype=torch.float64)) if outside else None
@@ -137,7 +140,8 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         acc.backward_cached(lambda c: model(*c), loss, my_chunks(batch, EVEN, rank, 3 if rank == 0 else 1))
     except ValueError as e:
         out["counts"] = str(e)
-    for name, odd in (("no_batch_dim", lambda t: t[0, 0]), ("per_example", lambda t: t[0])):
+    for name, odd in (("no_batch_dim", lambda t: t[0, 0]), ("per_example", lambda t: t[0]),
+                      ("rows", lambda t: t[:1])):
         def encode(c: Any, odd: Any = odd) -> Any:
             i, t = model(*c)
             return (i, odd(t)) if rank == 1 else (i, t)
@@ -246,6 +250,7 @@ if __name__ == "__main__":
         "ddp_outside": lambda r, w: ddp_run(r, w, outside=True),
         "ddp_uneven": lambda r, w: ddp_run(r, w, rows=UNEVEN),
         "ddp_micro_batch": lambda r, w: ddp_run(r, w, sync="micro_batch"),
+        "ddp_frozen": lambda r, w: ddp_run(r, w, frozen=True),
         "n_items_mean": lambda r, w: n_items_run(r, w, "mean"),
         "n_items_sum": lambda r, w: n_items_run(r, w, "sum"),
         "refusals": refusals,

@@ -403,6 +403,40 @@ def test_a_later_call_of_the_window_holds_no_second_set_of_gradients():
     assert first_end >= param_bytes  # the window's gradients
     assert second_end < 1024 and second_peak < param_bytes / 3  # a layer's gradient at a time
 
+
+@pytest.mark.parametrize("frozen", [("text",), ("image",), ("image", "text")], ids="+".join)
+def test_a_frozen_tower_passes_no_gradient_back_as_in_the_full_batch(frozen):
+    model = Towers()
+    for name in frozen:
+        getattr(model, name).requires_grad_(False)
+    batches = [gradaccum.chunks(pairs(N, seed=s), 10) for s in (1, 2)]
+    seen, _ = run_cached(model, batches)
+    want = reference(model, batches)
+    assert all(want[name] is None for name in want if name.startswith(frozen))  # autograd's answer
+    assert largest_difference(seen[0], want) < 1e-12
+    assert float(want["logit_scale"].abs()) > 1e-2
+
+
+def test_chunks_of_texts_are_counted_by_no_one_and_their_rows_not_checked():
+    # gradaccum cannot read a list of texts' examples (gradaccum.batch_size counts tensors): the
+    # rows of encode's output are then not checked against it (docs/CONTRASTIVE.md, Failures).
+    torch.manual_seed(0)
+    words = [f"w{i}" for i in range(10)]
+    embed = nn.Embedding(len(words), 4).double()
+    acc = gradaccum.Accumulator(torch.optim.SGD(embed.parameters(), lr=0.1), 1, model=embed)
+
+    def encode(texts):
+        return embed(torch.tensor([words.index(t) for t in texts]))
+
+    texts = [words[i % 10] for i in range(0, 21, 3)]
+    ref = copy.deepcopy(embed)
+    seen = step_pre_grads(acc, embed)
+    acc.backward_cached(encode, in_batch_negatives, [texts[:3], texts[3:]])
+    in_batch_negatives(ref(torch.tensor([words.index(t) for t in texts]))).backward()
+    assert float((seen[0]["weight"] - ref.weight.grad).abs().max()) < 1e-12
+    assert acc.backward_cached(lambda t: encode(t)[:1], in_batch_negatives, [texts[:3], texts[3:]])
+
+
 # ------------------------------------------------------------------ gradaccum.chunks
 def test_chunks_splits_tensors_tuples_and_dicts_with_a_short_last_chunk():
     x, y = torch.arange(10), torch.arange(10) * 2

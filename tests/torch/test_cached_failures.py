@@ -85,14 +85,16 @@ BEFORE = {  # name: (encode's misbehaviour, the calls it happens at, error, mess
     "list-of-strings": (lambda m, c: ["a", "b"], {1}, TypeError, "returned a str as output 0"),
     "varying-outputs": (lambda m, c: m(*c)[:1], {2}, ValueError, "2 output\\(s\\) for chunk 0 and 1"),
     "no-batch-dim": (lambda m, c: (m(*c)[0], m.logit_scale * 1), {0, 1, 2}, ValueError, "no batch dimension"),
+    "wrong-rows": (lambda m, c: (m(*c)[0][:1], m(*c)[1]), {1}, ValueError,
+                   "output 0 of encode for chunk 1 has 1 row\\(s\\), its chunk 8 example\\(s\\)"),
     "raises-first-pass": (_raise, {1}, RuntimeError, "encode failed"),
     "other-shape-second-pass": (_other_shape, {3}, ValueError, "chunk 0 is .* in the second pass"),
-    "detached-second-pass": (_detached, {3}, ValueError, "does not require grad in the second pass"),
+    "detached-second-pass": (_detached, {3}, ValueError, "no output of encode that loss_fn uses requires"),
     "raises-second-pass": (_raise, {3}, RuntimeError, "encode failed"),
 }
 AFTER = {  # the same misbehaviours after the first chunk's backward
     "other-shape-second-pass": (_other_shape, {4}, ValueError, "chunk 1 is .* in the second pass"),
-    "detached-second-pass": (_detached, {4}, ValueError, "chunk 1 does not require grad in the second pass"),
+    "detached-second-pass": (_detached, {4}, ValueError, "requires grad in the second pass for chunk 1"),
     "raises-second-pass": (_raise, {4}, RuntimeError, "encode failed"),
     "raises-last-chunk": (_raise, {5}, RuntimeError, "encode failed"),
 }

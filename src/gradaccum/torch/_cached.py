@@ -51,7 +51,7 @@ from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, check_second, gradient_slices, representations
+from gradaccum.torch._reps import Layout, check_second, expected_rows, gradient_slices, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
@@ -145,7 +145,7 @@ class CachedBackward:
                     states.append(RngStates.capture())
                     results.append(encode(chunk))
             norms.restore()  # the first pass's statistics updates: the second pass makes them once
-            layout, leaves, own, count = representations(results, n, self.sync)
+            layout, leaves, own, count = representations(results, n, self.sync, rows=expected_rows(items))
             del results
             loss = _check_result(loss_fn(*leaves))
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
@@ -225,17 +225,45 @@ class CachedBackward:
                 outs = check_second(layout, i, encode(chunk))
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
-            pairs = [(t, g) for t, g in zip(floats, slices[i], strict=True) if g is not None]
+            pairs = self._roots(i, floats, slices[i], loss_grads.params)
             if i == 0:
                 loss_grads.add()  # from here on, the call adds into the window's gradients
             if i == last and armed and ddp is not None:
                 pairs += self._loss_roots(ddp, loss_grads.params)
                 if not through_wrapper[0]:
                     arm_backward(ddp, floats)
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del outs, floats, pairs
         if armed and sync.world_size > 1:
             self._average_outside()
+
+    def _roots(self, chunk: int, floats: list[torch.Tensor], grads: list[Any],
+               from_loss: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The outputs of ``chunk`` to backpropagate, each with its slice of the gradient.
+
+        An output that does not require grad (every parameter upstream frozen: a frozen tower)
+        passes nothing back, as in one backward of the whole batch. When none of the outputs the
+        loss used requires grad while the optimizer trains parameters ``loss_fn`` does not use,
+        ``encode`` detached them or ran under ``torch.no_grad()``: that is refused.
+
+        Raises:
+            ValueError: as above (raised before this chunk's backward).
+        """
+        needed = [(k, t, g) for k, (t, g) in enumerate(zip(floats, grads, strict=True)) if g is not None]
+        pairs = [(t, g) for _, t, g in needed if t.requires_grad]
+        if needed and not pairs:
+            used = {id(p) for p in from_loss}
+            trainable = [p for p in self.params if p.requires_grad and id(p) not in used]
+            if trainable:
+                raise ValueError(
+                    f"no output of encode that loss_fn uses requires grad in the second pass for chunk "
+                    f"{chunk} (floating outputs {[k for k, _, _ in needed]}), while the optimizer trains "
+                    f"{len(trainable)} parameter(s) that loss_fn does not use: encode detached its "
+                    "outputs or ran under torch.no_grad() (floating outputs carry the gradient; return "
+                    "labels as integer tensors). A frozen encoder (requires_grad_(False)) is accepted: "
+                    "its outputs pass no gradient back, as in one backward of the whole batch")
+        return pairs
 
     def _loss_roots(self, ddp: nn.Module, from_loss: list[torch.Tensor]
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
