@@ -18,7 +18,11 @@ parameters' bytes is the set-aside. The median over ``--rounds`` windows, after 
 window.
 
     python benchmarks/cached_set_aside.py [--pairs 64] [--chunk 16] [--rounds 3] [--threads 1]
-                                          [--json docs/results/cached_set_aside.json]
+                                          [--label now] [--json docs/results/cached_set_aside.json]
+
+``docs/results/cached_set_aside_0.3.0.json`` is the same script run against 0.3.0's library, the
+commit before the set-aside was removed (its ``src`` exported with ``git archive``, put first on
+``PYTHONPATH``), ``--label 0.3.0``.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--label", default="now", help="which library ran (recorded in the JSON)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,17 +90,17 @@ def main() -> None:
     over = statistics.median(r[1] + r[2] - r[0] for r in rounds)
     machine = describe_machine()
     print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs); torch {machine['torch']}; "
-          f"gradaccum {machine['gradaccum']}; threads: {args.threads}")
+          f"gradaccum {machine['gradaccum']} ({args.label}); threads: {args.threads}")
     print(f"model: {params:,} parameters ({param_bytes / MIB:.1f} MiB float32); {args.pairs} pairs in "
           f"chunks of {args.chunk}; median of {args.rounds} windows\n")
     print("| call of the window | peak over the window's start (MiB) |")
     print("|---|---|")
     print(f"| first | {first / MIB:.1f} |")
     print(f"| second | {second / MIB:.1f} |")
-    print(f"\nsecond over first: {over / MIB:+.1f} MiB = {over / param_bytes:+.2f}x the parameters' bytes")
+    print(f"\nsecond over first: {over / MIB:+.1f} MiB = {over / param_bytes:+.3f}x the parameters' bytes")
     if args.json is not None:
         write_results(args.json, {
-            "machine": machine,
+            "machine": machine, "label": args.label,
             "settings": {"pairs": args.pairs, "chunk": args.chunk, "rounds": args.rounds,
                          "threads": args.threads, "sizes": dataclasses.asdict(SIZES)},
             "parameters": params, "parameter_mib": param_bytes / MIB,
