@@ -190,11 +190,13 @@ def failing(forward: Any, at: int) -> Any:
     return encode
 
 
-def failures_run(rank: int, world: int, wrapper: str) -> dict[str, Any]:
+def failures_run(rank: int, world: int, wrapper: str, sync: str = "window") -> dict[str, Any]:
     """A call that raises in its second pass (after its first chunk's backward, every rank alike):
-    on a window's first micro-batch it leaves nothing (under FSDP2 ``sync="window"`` too, whose
-    gradients live inside it); later in a window it leaves the window partly accumulated, refused
-    until ``discard()``. The windows fed afterwards equal one process on their global batches."""
+    on a window's first micro-batch it leaves nothing (under FSDP2 too, whose pending gradients
+    it drops); later in a window it leaves the window partly accumulated, refused until
+    ``discard()``, except under FSDP2 with ``sync="micro_batch"``, where the call's own gradients
+    were still pending inside FSDP2 (dropped: the window goes on). The windows fed afterwards equal
+    one process on their global batches."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -209,7 +211,7 @@ def failures_run(rank: int, world: int, wrapper: str) -> dict[str, Any]:
         fully_shard(model)
         scale = nn.Parameter(base.logit_scale.detach().clone())
         params = [*model.parameters(), scale]
-    acc = gradaccum.Accumulator(torch.optim.SGD(params, lr=0.1, momentum=0.9), STEPS, model=model)
+    acc = gradaccum.Accumulator(torch.optim.SGD(params, lr=0.1, momentum=0.9), STEPS, model=model, sync=sync)
     batches = global_batches(EVEN, seed=70)
     mine = [my_chunks(b, EVEN, rank) for b in batches]
 
@@ -231,11 +233,12 @@ def failures_run(rank: int, world: int, wrapper: str) -> dict[str, Any]:
         out["later"] = str(e)
     try:
         feed(mine[3])
+        out["refused"] = None
     except RuntimeError as e:
         out["refused"] = str(e)
-    acc.discard()
-    feed(mine[2])
-    feed(mine[3])
+        acc.discard()
+        feed(mine[2])
+        feed(mine[3])
     out["steps"] = acc.optimizer_steps
     out["params"] = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in params]
     want = reference(base, batches)
@@ -258,4 +261,5 @@ if __name__ == "__main__":
         "fsdp_micro_batch": lambda r, w: fsdp_run(r, w, "micro_batch"),
         "failures_ddp": lambda r, w: failures_run(r, w, "ddp"),
         "failures_fsdp": lambda r, w: failures_run(r, w, "fsdp"),
+        "failures_fsdp_micro_batch": lambda r, w: failures_run(r, w, "fsdp", "micro_batch"),
     })

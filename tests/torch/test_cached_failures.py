@@ -3,10 +3,10 @@
 Up to the second pass's first backward (the first pass, the checks, ``loss_fn`` and its backward,
 the first chunk's second forward) an exception leaves the gradients, the window, the BatchNorm
 statistics and the RNG as they were, mid-window too: the gradient of ``loss_fn``'s own parameters
-is held out of ``.grad`` until then. After it, the call has added into the window's gradients in
-place (no second gradient set is held): on a window's first micro-batch the new gradients are set
-back to None (nothing is left), later the window is partly accumulated and the accumulator
-refuses to feed, flush or save it until ``discard()``.
+is held out of ``.grad`` until the last chunk. After it, the call has added into the window's
+gradients in place (no second gradient set is held): on a window's first micro-batch the new
+gradients are set back to None (nothing is left), later the window is partly accumulated and the
+accumulator refuses to feed, flush or save it until ``discard()``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_later_in_a_window_a_failure_leaves_it_partly_accumulated_and_refused_un
     with pytest.raises(error, match=match):
         acc.backward_cached(Counting(model, at, bad), loss_of(model), gradaccum.chunks(pairs(N), BATCH))
     # What it leaves: the window record, the statistics and the RNG as they were; the gradients
-    # added into (the first chunk's part of the batch's, and the temperature's).
+    # added into (the chunks' before it; at the last chunk, the temperature's too).
     assert_unchanged(model, acc, before, grads_too=False)
     assert largest_difference(grads(model), before["grads"]) > 1e-3
     refusal = "partly accumulated: a backward_cached call raised .*acc.discard\\(\\)"

@@ -18,7 +18,7 @@ The call adds into the window's ``.grad`` in place, as ``backward`` does: it hol
 of gradients. It is all-or-nothing up to the second pass's first backward: an exception before it
 (``encode`` in either pass, a check, ``loss_fn``, the first chunk's forward) leaves the gradients,
 the running statistics, the RNG state and the window as they were (the gradient of ``loss_fn``'s
-own parameters is held out of ``.grad`` until then: :mod:`._cached_grads`). After it, the
+own parameters is held out of ``.grad`` until the last chunk: :mod:`._cached_grads`). After it, the
 running statistics and the RNG are put back and the gradients that did not exist before the call
 are set back to None; on a window's first micro-batch that is all of them, so nothing is left.
 Later in a window, the gradients held before the call have been added into: the call reports the
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from gradaccum.core.window import Window
-from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params
+from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params, put_back
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
@@ -119,14 +119,16 @@ class CachedBackward:
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.checked_norms = False
         self.partial = False
+        self._began = False  # the second pass's first backward has started
         self._outside: list[torch.Tensor] | None = None
 
     def run(self, encode: Any, loss_fn: Any, chunks: Any, window: Window, n: Any, summed: bool) -> Window:
         """Run the call against ``window``; return the window after it (the caller commits it).
 
         Raises:
-            TypeError, ValueError, RuntimeError: bad input (see ``Accumulator.backward_cached``),
-                raised with everything as it was; whatever ``encode`` or ``loss_fn`` raises.
+            TypeError, ValueError, RuntimeError: bad input (see ``Accumulator.backward_cached``);
+                whatever ``encode`` or ``loss_fn`` raises. Each with everything as it was, unless
+                :attr:`partial` is then True.
         """
         for name, fn in (("encode", encode), ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -136,7 +138,7 @@ class CachedBackward:
         items = _listed(chunks)
         self._agree_on_chunks(len(items))
         start, norms, before = RngStates.capture(), NormStats(self.model), GradsBefore(self.params)
-        self.partial = False
+        self.partial = self._began = False
         loss_grads: LossGrads | None = None
         try:
             states, results = [], []
@@ -162,33 +164,13 @@ class CachedBackward:
         except BaseException:
             if loss_grads is not None:
                 loss_grads.undo()
-            self.partial = not self._put_back(before, window, loss_grads is not None and loss_grads.added)
+            self.partial = not put_back(before, self.sync, window.empty, self._began)
             norms.restore()
             start.restore()
             self.sync.prepare(window.next_is_last)
             raise
         end.restore()
         return nxt
-
-    def _put_back(self, before: GradsBefore, window: Window, began: bool) -> bool:
-        """After an exception: set back the gradients that did not exist before the call (and,
-        under FSDP2 with ``sync="window"``, on a window's first micro-batch, drop what FSDP2 holds);
-        return True when nothing the window held was changed."""
-        intact = before.restore()
-        if began and self._grads_outside():
-            if not window.empty:
-                return False
-            self.sync.discard()
-        return intact
-
-    def _grads_outside(self) -> bool:
-        """True when the sync holds the partial window's gradients outside ``.grad`` (FSDP2 with
-        ``sync="window"``: it refuses to checkpoint them)."""
-        try:
-            self.sync.check_saveable()
-        except RuntimeError:
-            return True
-        return False
 
     # ------------------------------------------------------------------ steps of run
     def _weigh(self, window: Window, loss: torch.Tensor, n: Any, summed: bool) -> tuple[Window, Any]:
@@ -226,12 +208,13 @@ class CachedBackward:
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
             pairs = self._roots(i, floats, slices[i], loss_grads.params)
-            if i == 0:
-                loss_grads.add()  # from here on, the call adds into the window's gradients
-            if i == last and armed and ddp is not None:
-                pairs += self._loss_roots(ddp, loss_grads.params)
-                if not through_wrapper[0]:
-                    arm_backward(ddp, floats)
+            self._began = True  # from here on, the call adds into the window's gradients
+            if i == last:
+                loss_grads.add()
+                if armed and ddp is not None:
+                    pairs += self._loss_roots(ddp, loss_grads.params)
+                    if not through_wrapper[0]:
+                        arm_backward(ddp, floats)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del outs, floats, pairs

@@ -5,14 +5,18 @@ no second, parameter-sized set of gradients is held. Two things keep it all-or-n
 that costs nothing:
 
 * :class:`LossGrads`: the gradient ``loss_fn``'s own parameters (a temperature, a head applied in
-  the loss) get from the loss's backward is kept out of ``.grad`` until the second pass's first
-  backward; their gradients before the call are held aside (references, no copy). An exception
-  before that backward (in ``encode``, a check, the first chunk's forward) puts them back.
+  the loss) get from the loss's backward is kept out of ``.grad`` until the second pass's last
+  chunk (its size: those parameters'); their gradients before the call are held aside
+  (references, no copy). An exception before then (in ``encode``, a check, a chunk's forward)
+  puts them back.
 * :class:`GradsBefore`: which parameters had a gradient before the call, and each one's tensor
   and version. After an exception, a gradient that did not exist is set back to None (on a
   window's first micro-batch: all of them, so nothing is left), and the others are found intact
   or not: when one was added into, the window is partly accumulated (the accumulator then
   refuses to go on until ``discard()``).
+
+:func:`put_back` does both after an exception, and under FSDP2 drops the unsharded gradients it
+holds for its next reduction when they are the call's own.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradsBefore", "LossGrads", "loss_params"]
+__all__ = ["GradsBefore", "LossGrads", "loss_params", "put_back"]
 
 
 def _version(g: torch.Tensor) -> int:
@@ -75,7 +79,8 @@ class LossGrads:
         self.undo()
 
     def add(self) -> None:
-        """Before the second pass's first backward: add the loss's gradients into ``.grad``."""
+        """Before the second pass's last backward: add the loss's gradients into ``.grad`` (under
+        DDP that backward then hands them to the reduction)."""
         self.added = True
         for p, g in zip(self.params, self.fresh, strict=True):
             if g is not None:
@@ -112,3 +117,31 @@ class GradsBefore:
             g = p.grad
             intact = intact and g is not None and ref() is g and _version(g) == version
         return intact
+
+
+def put_back(before: GradsBefore, sync: Any, empty: bool, began: bool) -> bool:
+    """After an exception in a call: set back the gradients that did not exist before it; under
+    FSDP2, once the second pass began, drop the unsharded gradients FSDP2 holds for its next
+    reduction when they are the call's own (``sync="micro_batch"``: the chunks before the last are
+    paused; ``sync="window"`` on a window's first micro-batch, ``empty``).
+
+    Returns:
+        True when nothing the window held before the call was changed.
+    """
+    intact = before.restore()
+    drop = getattr(sync, "drop_pending", None)
+    if began and drop is not None:
+        if not empty and _grads_outside(sync):
+            return False  # sync="window": the window's own gradients are among them
+        drop()
+    return intact
+
+
+def _grads_outside(sync: Any) -> bool:
+    """True when ``sync`` holds the partial window's gradients outside ``.grad`` (FSDP2 with
+    ``sync="window"``: it refuses to checkpoint them)."""
+    try:
+        sync.check_saveable()
+    except RuntimeError:
+        return True
+    return False
