@@ -89,7 +89,8 @@ BEFORE = {  # name: (encode's misbehaviour, the calls it happens at, error, mess
                    "output 0 of encode for chunk 1 has 1 row\\(s\\), its chunk 8 example\\(s\\)"),
     "raises-first-pass": (_raise, {1}, RuntimeError, "encode failed"),
     "other-shape-second-pass": (_other_shape, {3}, ValueError, "chunk 0 is .* in the second pass"),
-    "detached-second-pass": (_detached, {3}, ValueError, "no output of encode that loss_fn uses requires"),
+    "detached-second-pass": (_detached, {3}, ValueError,
+                             "requires grad in the second pass for chunk 0 \\(outputs \\[0, 1\\]\\)"),
     "raises-second-pass": (_raise, {3}, RuntimeError, "encode failed"),
 }
 AFTER = {  # the same misbehaviours after the first chunk's backward

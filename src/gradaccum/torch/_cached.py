@@ -207,7 +207,7 @@ class CachedBackward:
                 outs = check_second(layout, i, encode(chunk))
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
-            pairs = self._roots(i, floats, slices[i], loss_grads.params)
+            pairs = self._roots(layout, i, floats, slices[i], loss_grads.params)
             self._began = True  # from here on, the call adds into the window's gradients
             if i == last:
                 loss_grads.add()
@@ -221,7 +221,7 @@ class CachedBackward:
         if armed and sync.world_size > 1:
             self._average_outside()
 
-    def _roots(self, chunk: int, floats: list[torch.Tensor], grads: list[Any],
+    def _roots(self, layout: Layout, chunk: int, floats: list[torch.Tensor], grads: list[Any],
                from_loss: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The outputs of ``chunk`` to backpropagate, each with its slice of the gradient.
 
@@ -233,7 +233,8 @@ class CachedBackward:
         Raises:
             ValueError: as above (raised before this chunk's backward).
         """
-        needed = [(k, t, g) for k, (t, g) in enumerate(zip(floats, grads, strict=True)) if g is not None]
+        outputs = [k for k, floating in enumerate(layout.floating) if floating]
+        needed = [(k, t, g) for k, t, g in zip(outputs, floats, grads, strict=True) if g is not None]
         pairs = [(t, g) for _, t, g in needed if t.requires_grad]
         if needed and not pairs:
             used = {id(p) for p in from_loss}
@@ -241,7 +242,7 @@ class CachedBackward:
             if trainable:
                 raise ValueError(
                     f"no output of encode that loss_fn uses requires grad in the second pass for chunk "
-                    f"{chunk} (floating outputs {[k for k, _, _ in needed]}), while the optimizer trains "
+                    f"{chunk} (outputs {[k for k, _, _ in needed]}), while the optimizer trains "
                     f"{len(trainable)} parameter(s) that loss_fn does not use: encode detached its "
                     "outputs or ran under torch.no_grad() (floating outputs carry the gradient; return "
                     "labels as integer tensors). A frozen encoder (requires_grad_(False)) is accepted: "
