@@ -80,6 +80,26 @@ def _detached(model, chunk):
     return tuple(z.detach() for z in model(*chunk))
 
 
+def raising_backward(x):
+    """``x`` in the forward; its backward raises (a custom function's bug)."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward failed")
+
+    return Fails.apply(x)
+
+
+def _backward_fails(model, chunk):
+    i, t = model(*chunk)
+    return raising_backward(i), t
+
+
 BEFORE = {  # name: (encode's misbehaviour, the calls it happens at, error, message)
     "not-a-tensor": (lambda m, c: {"z": m(*c)[0]}, {0}, TypeError, "returned a dict"),
     "list-of-strings": (lambda m, c: ["a", "b"], {1}, TypeError, "returned a str as output 0"),
@@ -93,11 +113,12 @@ BEFORE = {  # name: (encode's misbehaviour, the calls it happens at, error, mess
                              "requires grad in the second pass for chunk 0 \\(outputs \\[0, 1\\]\\)"),
     "raises-second-pass": (_raise, {3}, RuntimeError, "encode failed"),
 }
-AFTER = {  # the same misbehaviours after the first chunk's backward
+AFTER = {  # the same misbehaviours after the first chunk's backward, and a chunk's backward that raises
     "other-shape-second-pass": (_other_shape, {4}, ValueError, "chunk 1 is .* in the second pass"),
     "detached-second-pass": (_detached, {4}, ValueError, "requires grad in the second pass for chunk 1"),
     "raises-second-pass": (_raise, {4}, RuntimeError, "encode failed"),
     "raises-last-chunk": (_raise, {5}, RuntimeError, "encode failed"),
+    "raises-in-a-chunks-backward": (_backward_fails, {4}, RuntimeError, "backward failed"),
 }
 
 
@@ -114,21 +135,6 @@ def test_bad_encode_before_the_first_backward_raises_with_everything_as_it_was(c
     assert acc.optimizer_steps == 1  # nothing was left behind: the window goes on
 
 
-def raising_backward(x):
-    """``x`` in the forward; its backward raises (a custom function's bug)."""
-
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("loss backward failed")
-
-    return Fails.apply(x)
-
-
 LOSSES = {
     "not-scalar": (lambda m: (lambda i, t: (i * t).sum(1)), ValueError, "floating scalar"),
     "not-a-tensor": (lambda m: (lambda i, t: 3.0), TypeError, "got a float"),
@@ -136,7 +142,7 @@ LOSSES = {
     "ignores-reps": (lambda m: (lambda i, t: m.logit_scale * 2), ValueError, "does not depend"),
     "raises": (lambda m: (lambda i, t: 1 / 0), ZeroDivisionError, "division"),
     "raises-in-its-backward": (lambda m: (lambda i, t: clip_loss(raising_backward(i), t, m.logit_scale)),
-                               RuntimeError, "loss backward failed"),
+                               RuntimeError, "backward failed"),
 }
 
 

@@ -84,11 +84,11 @@ class Feeds:
         Raises:
             TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
                 not tensors, without dim 0, of other rows than their chunk's examples, or
-                changing; a non-scalar loss); raised, as whatever ``encode`` or ``loss_fn``
-                raise, with gradients, window, BatchNorm and RNG as they were, but for an
-                exception after the second pass's first backward in a window that held
-                gradients: those are then partly added into, and the accumulator refuses to
-                feed, flush or save until :meth:`discard` (docs/CONTRASTIVE.md, "Failures").
+                changing; a non-scalar loss), and whatever ``encode`` or ``loss_fn`` raise. Before
+                the second pass's first backward, or on a window's first micro-batch, gradients,
+                window, BatchNorm and RNG are then as they were; later in a window, the window is
+                left partly accumulated, and the next feed, ``flush`` or ``state_dict`` raises
+                until :meth:`discard` (docs/CONTRASTIVE.md, "Failures").
 
         Example:
             >>> import gradaccum
