@@ -76,9 +76,12 @@ class Encoders(nn.Module):
 
 
 def ddp_run(rank: int, world: int, *, rows: list[int] = EVEN, find_unused: bool = False,
-            outside: bool = False, sync: str = "window") -> dict[str, Any]:
-    """``outside``: the temperature is a parameter of its own, not of the DDP module."""
+            outside: bool = False, sync: str = "window", frozen: bool = False) -> dict[str, Any]:
+    """``outside``: the temperature is a parameter of its own, not of the DDP module; ``frozen``:
+    the text tower does not train (``requires_grad_(False)``), in the reference too."""
     towers = Towers()
+    if frozen:
+        towers.text.requires_grad_(False)
     base: nn.Module = Encoders(towers) if outside else towers
     model = copy.deepcopy(base)
     temperature = nn.Parameter(torch.tensor(0.7, dtype=torch.float64)) if outside else None
@@ -137,7 +140,8 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
         acc.backward_cached(lambda c: model(*c), loss, my_chunks(batch, EVEN, rank, 3 if rank == 0 else 1))
     except ValueError as e:
         out["counts"] = str(e)
-    for name, odd in (("no_batch_dim", lambda t: t[0, 0]), ("per_example", lambda t: t[0])):
+    for name, odd in (("no_batch_dim", lambda t: t[0, 0]), ("per_example", lambda t: t[0]),
+                      ("rows", lambda t: t[:1])):
         def encode(c: Any, odd: Any = odd) -> Any:
             i, t = model(*c)
             return (i, odd(t)) if rank == 1 else (i, t)
@@ -173,6 +177,75 @@ def fsdp_run(rank: int, world: int, sync: str) -> dict[str, Any]:
     return {"params": full, "want": [*want[1:], want[0]]}
 
 
+def failing(forward: Any, at: int) -> Any:
+    """``encode`` through ``forward`` whose call ``at`` (from 0) raises."""
+    calls = [0]
+
+    def encode(chunk: Any) -> Any:
+        calls[0] += 1
+        if calls[0] - 1 == at:
+            raise RuntimeError("encode failed")
+        return forward(chunk)
+
+    return encode
+
+
+def failures_run(rank: int, world: int, wrapper: str, sync: str = "window") -> dict[str, Any]:
+    """A call that raises in its second pass (after its first chunk's backward, every rank alike):
+    on a window's first micro-batch it leaves nothing (under FSDP2 too, whose pending gradients
+    it drops); later in a window it leaves the window partly accumulated, refused until
+    ``discard()``, except under FSDP2 with ``sync="micro_batch"``, where the call's own gradients
+    were still pending inside FSDP2 (dropped: the window goes on). The windows fed afterwards equal
+    one process on their global batches."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    base = Towers()
+    if wrapper == "ddp":
+        model: Any = DDP(copy.deepcopy(base))
+        params, scale = list(model.parameters()), model.module.logit_scale
+    else:
+        model = Encoders(base)
+        for tower in (model.image, model.text):
+            fully_shard(tower)
+        fully_shard(model)
+        scale = nn.Parameter(base.logit_scale.detach().clone())
+        params = [*model.parameters(), scale]
+    acc = gradaccum.Accumulator(torch.optim.SGD(params, lr=0.1, momentum=0.9), STEPS, model=model, sync=sync)
+    batches = global_batches(EVEN, seed=70)
+    mine = [my_chunks(b, EVEN, rank) for b in batches]
+
+    def feed(chunks: list[Any], encode: Any = lambda c: model(*c)) -> bool:
+        return acc.backward_cached(encode, lambda i, t: clip_loss(i, t, scale), chunks)
+
+    out: dict[str, Any] = {}
+    try:
+        feed(mine[0], failing(lambda c: model(*c), CHUNKS + 1))
+    except RuntimeError as e:
+        out["first"] = str(e)
+    out["left_nothing"] = acc.micro_step == 0 and all(p.grad is None for p in params)
+    feed(mine[0])
+    feed(mine[1])
+    feed(mine[2])
+    try:
+        feed(mine[3], failing(lambda c: model(*c), CHUNKS + 1))
+    except RuntimeError as e:
+        out["later"] = str(e)
+    try:
+        feed(mine[3])
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+        acc.discard()
+        feed(mine[2])
+        feed(mine[3])
+    out["steps"] = acc.optimizer_steps
+    out["params"] = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in params]
+    want = reference(base, batches)
+    out["want"] = want if wrapper == "ddp" else [*want[1:], want[0]]
+    return out
+
+
 if __name__ == "__main__":
     run_scenarios({
         "ddp": lambda r, w: ddp_run(r, w),
@@ -180,9 +253,13 @@ if __name__ == "__main__":
         "ddp_outside": lambda r, w: ddp_run(r, w, outside=True),
         "ddp_uneven": lambda r, w: ddp_run(r, w, rows=UNEVEN),
         "ddp_micro_batch": lambda r, w: ddp_run(r, w, sync="micro_batch"),
+        "ddp_frozen": lambda r, w: ddp_run(r, w, frozen=True),
         "n_items_mean": lambda r, w: n_items_run(r, w, "mean"),
         "n_items_sum": lambda r, w: n_items_run(r, w, "sum"),
         "refusals": refusals,
         "fsdp_window": lambda r, w: fsdp_run(r, w, "window"),
         "fsdp_micro_batch": lambda r, w: fsdp_run(r, w, "micro_batch"),
+        "failures_ddp": lambda r, w: failures_run(r, w, "ddp"),
+        "failures_fsdp": lambda r, w: failures_run(r, w, "fsdp"),
+        "failures_fsdp_micro_batch": lambda r, w: failures_run(r, w, "fsdp", "micro_batch"),
     })

@@ -14,11 +14,16 @@ gives the exact gradient of the whole batch's loss while one chunk's graph is al
 3. *Second pass*: each chunk is encoded again under its replayed RNG state and backpropagated
    from its slice of the leaves' gradient; the graph is freed before the next chunk.
 
-The call is all-or-nothing. The gradients held before it are set aside and the call's own
-gradient builds up from zero; they are added back just before the last chunk's backward (so a
-distributed reduction sees the window's whole sum). An exception before that point puts back the
-gradients, the running statistics and the RNG state; the window record only changes once the
-call has finished.
+The call adds into the window's ``.grad`` in place, as ``backward`` does: it holds no second set
+of gradients. It is all-or-nothing up to the second pass's first backward: an exception before it
+(``encode`` in either pass, a check, ``loss_fn``, the first chunk's forward) leaves the gradients,
+the running statistics, the RNG state and the window as they were (the gradient of ``loss_fn``'s
+own parameters is held out of ``.grad`` until the last chunk: :mod:`._cached_grads`). After it, the
+running statistics and the RNG are put back and the gradients that did not exist before the call
+are set back to None; on a window's first micro-batch that is all of them, so nothing is left.
+Later in a window, the gradients held before the call have been added into: the call reports the
+window as partly accumulated (:attr:`CachedBackward.partial`) and the accumulator refuses to feed,
+flush or save it until ``discard()``.
 
 **Data parallel.** Every rank computes the same global loss; rank ``r``'s encoder gradient
 ``J_r^T dL/dz_r`` is one term of the global gradient's sum, so its slice is multiplied by the
@@ -42,39 +47,17 @@ import torch
 from torch import nn
 
 from gradaccum.core.window import Window
+from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params, put_back
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, check_second, gradient_slices, representations
+from gradaccum.torch._reps import Layout, check_second, expected_rows, gradient_slices, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
 from gradaccum.torch.distributed.ddp import arm_backward, needs_hook_of
 
 __all__ = ["CachedBackward"]
-
-
-class _SetAside:
-    """The gradients held before the call, out of ``.grad`` until :meth:`add_back`."""
-
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = params
-        self.saved = [p.grad for p in params]
-        self.added = False
-        for p in params:
-            p.grad = None
-
-    def add_back(self) -> None:
-        self.added = True
-        for p, g in zip(self.params, self.saved, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-
-    def undo(self) -> None:
-        """Drop the call's gradients and put the old ones back (before :meth:`add_back` only)."""
-        if not self.added:
-            for p, g in zip(self.params, self.saved, strict=True):
-                p.grad = g
 
 
 @contextmanager
@@ -119,6 +102,10 @@ class CachedBackward:
         precision: the accumulator's mixed-precision policy (scaler, wide buffers).
         sync: its gradient sync (pause and arm per chunk; the gathers under data parallel).
         model: its ``model=``: the normalization layers to keep, the DDP/FSDP2 wrapper.
+
+    Attributes:
+        partial: after :meth:`run` raised, True when it had added into gradients the window held
+            before it (the window is then partly accumulated).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], precision: Precision, sync: GradSync,
@@ -131,14 +118,17 @@ class CachedBackward:
         self.model = model
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.checked_norms = False
+        self.partial = False
+        self._began = False  # the second pass's first backward has started
         self._outside: list[torch.Tensor] | None = None
 
     def run(self, encode: Any, loss_fn: Any, chunks: Any, window: Window, n: Any, summed: bool) -> Window:
         """Run the call against ``window``; return the window after it (the caller commits it).
 
         Raises:
-            TypeError, ValueError, RuntimeError: bad input (see ``Accumulator.backward_cached``),
-                raised with everything as it was; whatever ``encode`` or ``loss_fn`` raises.
+            TypeError, ValueError, RuntimeError: bad input (see ``Accumulator.backward_cached``);
+                whatever ``encode`` or ``loss_fn`` raises. Each with everything as it was, unless
+                :attr:`partial` is then True.
         """
         for name, fn in (("encode", encode), ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -147,8 +137,9 @@ class CachedBackward:
             raise RuntimeError("backward_cached needs grad mode: it was called under torch.no_grad()")
         items = _listed(chunks)
         self._agree_on_chunks(len(items))
-        start, norms = RngStates.capture(), NormStats(self.model)
-        aside: _SetAside | None = None
+        start, norms, before = RngStates.capture(), NormStats(self.model), GradsBefore(self.params)
+        self.partial = self._began = False
+        loss_grads: LossGrads | None = None
         try:
             states, results = [], []
             with torch.no_grad():
@@ -156,22 +147,24 @@ class CachedBackward:
                     states.append(RngStates.capture())
                     results.append(encode(chunk))
             norms.restore()  # the first pass's statistics updates: the second pass makes them once
-            layout, leaves, own, count = representations(results, n, self.sync)
+            layout, leaves, own, count = representations(results, n, self.sync, rows=expected_rows(items))
             del results
             loss = _check_result(loss_fn(*leaves))
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
             nxt, seed = self._weigh(window, share, count, summed)
             end = RngStates.capture()
-            aside = _SetAside(self.params)
+            loss_grads = LossGrads(loss_params(share, leaves))
             seeded_backward(self.precision.scale(share), seed)
+            loss_grads.take()
             del loss, share
             slices = gradient_slices(layout, leaves, own, self.sync.world_size)
             del leaves
-            self._second_pass(encode, items, states, layout, slices, window, norms, aside)
+            self._second_pass(encode, items, states, layout, slices, window, norms, loss_grads)
             self.precision.collect()
         except BaseException:
-            if aside is not None:
-                aside.undo()
+            if loss_grads is not None:
+                loss_grads.undo()
+            self.partial = not put_back(before, self.sync, window.empty, self._began)
             norms.restore()
             start.restore()
             self.sync.prepare(window.next_is_last)
@@ -200,9 +193,9 @@ class CachedBackward:
                              "give the same number (> 0) of chunks, each rank its share of the batch")
 
     def _second_pass(self, encode: Any, items: list[Any], states: list[RngStates], layout: Layout,
-                     slices: list[list[Any]], window: Window, norms: NormStats, aside: _SetAside) -> None:
+                     slices: list[list[Any]], window: Window, norms: NormStats, loss_grads: LossGrads
+                     ) -> None:
         sync, ddp, last = self.sync, self.ddp, len(items) - 1
-        from_loss = [p for p in self.params if p.grad is not None]  # used in loss_fn
         armed = False
         for i, chunk in enumerate(items):
             if i == last:
@@ -214,17 +207,47 @@ class CachedBackward:
                 outs = check_second(layout, i, encode(chunk))
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
-            pairs = [(t, g) for t, g in zip(floats, slices[i], strict=True) if g is not None]
+            pairs = self._roots(layout, i, floats, slices[i], loss_grads.params)
+            self._began = True  # from here on, the call adds into the window's gradients
             if i == last:
-                aside.add_back()
+                loss_grads.add()
                 if armed and ddp is not None:
-                    pairs += self._loss_roots(ddp, from_loss)
+                    pairs += self._loss_roots(ddp, loss_grads.params)
                     if not through_wrapper[0]:
                         arm_backward(ddp, floats)
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del outs, floats, pairs
         if armed and sync.world_size > 1:
             self._average_outside()
+
+    def _roots(self, layout: Layout, chunk: int, floats: list[torch.Tensor], grads: list[Any],
+               from_loss: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The outputs of ``chunk`` to backpropagate, each with its slice of the gradient.
+
+        An output that does not require grad (every parameter upstream frozen: a frozen tower)
+        passes nothing back, as in one backward of the whole batch. When none of the outputs the
+        loss used requires grad while the optimizer trains parameters ``loss_fn`` does not use,
+        ``encode`` detached them or ran under ``torch.no_grad()``: that is refused.
+
+        Raises:
+            ValueError: as above (raised before this chunk's backward).
+        """
+        outputs = [k for k, floating in enumerate(layout.floating) if floating]
+        needed = [(k, t, g) for k, t, g in zip(outputs, floats, grads, strict=True) if g is not None]
+        pairs = [(t, g) for _, t, g in needed if t.requires_grad]
+        if needed and not pairs:
+            used = {id(p) for p in from_loss}
+            trainable = [p for p in self.params if p.requires_grad and id(p) not in used]
+            if trainable:
+                raise ValueError(
+                    f"no output of encode that loss_fn uses requires grad in the second pass for chunk "
+                    f"{chunk} (outputs {[k for k, _, _ in needed]}), while the optimizer trains "
+                    f"{len(trainable)} parameter(s) that loss_fn does not use: encode detached its "
+                    "outputs or ran under torch.no_grad() (floating outputs carry the gradient; return "
+                    "labels as integer tensors). A frozen encoder (requires_grad_(False)) is accepted: "
+                    "its outputs pass no gradient back, as in one backward of the whole batch")
+        return pairs
 
     def _loss_roots(self, ddp: nn.Module, from_loss: list[torch.Tensor]
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,6 +14,7 @@ import torch
 from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule
 from gradaccum.core.window import Window
+from gradaccum.torch._feeds import refuse_partial
 from gradaccum.torch._guards import Guard
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._precision import Precision
@@ -36,6 +37,7 @@ class Checkpointing:
     _sync: GradSync
     _holders: Holders
     _guard: Guard
+    _partial: str | None
 
     def _last_window_loss(self) -> torch.Tensor | None:
         """The last applied window's loss (``Accumulator.window_loss``), summed now."""
@@ -47,8 +49,10 @@ class Checkpointing:
 
         Raises:
             RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
-                live inside FSDP2 (save at ``micro_step == 0``).
+                live inside FSDP2 (save at ``micro_step == 0``); a window a ``backward_cached``
+                call left partly accumulated (``discard()`` it).
         """
+        refuse_partial(self._partial, self._window.micro_step)
         if not self._window.empty:
             self._sync.check_saveable()
         return pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
@@ -68,6 +72,7 @@ class Checkpointing:
         if not window.empty:
             self._holders.refuse_overlap(self, "load a partial window")
         restore_grads(self._params, state["grads"])
+        self._partial = None  # every gradient and the window are the state's
         self._precision.load_state_dict(state.get("accum"))
         for key in COUNTERS:
             setattr(self, key, state[key])

@@ -26,7 +26,22 @@ from gradaccum.torch._validate import Items, Reduction, check_items, check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync
 
-__all__ = ["Feeds"]
+__all__ = ["Feeds", "refuse_partial"]
+
+
+def refuse_partial(cause: str | None, micro_step: int) -> None:
+    """Raise if a ``backward_cached`` call left the window partly accumulated (``cause``: what it
+    raised; None: the window is whole).
+
+    Raises:
+        RuntimeError: naming ``discard()``, the one way on.
+    """
+    if cause is not None:
+        raise RuntimeError(
+            f"this window is partly accumulated: a backward_cached call raised ({cause}) after its "
+            f"second pass had added part of its batch's gradient into the gradients of the window's "
+            f"{micro_step} earlier micro-batch(es). Call acc.discard() to drop the window (its "
+            "gradients are lost); then feed the next batch")
 
 
 class Feeds:
@@ -38,6 +53,7 @@ class Feeds:
     _sync: GradSync
     _guard: Guard
     _cached: CachedBackward
+    _partial: str | None  # what the backward_cached call that left the window partly accumulated raised
 
     def _before_feed(self, window: Window) -> None:
         raise NotImplementedError  # Accumulator's
@@ -67,9 +83,12 @@ class Feeds:
 
         Raises:
             TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
-                not tensors, without dim 0 or grad, or changing; a non-scalar loss). Then, and if
-                ``encode`` or ``loss_fn`` raises, gradients, window, BatchNorm and RNG stay as
-                they were.
+                not tensors, without dim 0, of other rows than their chunk's examples, or
+                changing; a non-scalar loss), and whatever ``encode`` or ``loss_fn`` raise. Before
+                the second pass's first backward, or on a window's first micro-batch, gradients,
+                window, BatchNorm and RNG are then as they were; later in a window, the window is
+                left partly accumulated, and the next feed, ``flush`` or ``state_dict`` raises
+                until :meth:`discard` (docs/CONTRASTIVE.md, "Failures").
 
         Example:
             >>> import gradaccum
@@ -81,7 +100,13 @@ class Feeds:
         """
         n = check_items(n_items, reduction)
         self._before_feed(self._window)
-        window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+        try:
+            window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+        except BaseException as e:
+            if self._cached.partial:
+                text = str(e)
+                self._partial = f"{type(e).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+            raise
         self._guard.note()
         return self._commit(window)
 

@@ -3,9 +3,11 @@ their gradient cut back into chunks.
 
 ``encode(chunk)`` returns a tensor or a tuple of tensors whose dim 0 indexes the chunk's examples.
 The first pass fixes a :class:`Layout` (how many outputs, their dtypes, trailing shapes and rows
-per chunk); the second pass must return the same, with grad on every floating output. Each check
-names the chunk and the output it found wrong, and raises before any gradient changes. Under data
-parallel the ranks exchange their layouts first, so that a problem on one rank is raised on all.
+per chunk), each output's rows checked against its chunk's examples where the chunk tells them;
+the second pass must return the same (a floating output without grad passes no gradient back:
+a frozen tower). Each check names the chunk and the output it found wrong. The first pass's
+checks raise before any gradient changes; under data parallel the ranks exchange their layouts
+first, so that a problem on one rank is raised on all.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 
 from gradaccum.torch.distributed.base import GradSync
 from gradaccum.torch.distributed.collectives import RankGroups
+from gradaccum.torch.memory.split import batch_size
 
-__all__ = ["Layout", "as_outputs", "check_second", "gradient_slices", "representations"]
+__all__ = ["Layout", "as_outputs", "check_rows", "check_second", "expected_rows", "gradient_slices",
+           "representations"]
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -102,9 +106,13 @@ class Layout(NamedTuple):
 def check_second(layout: Layout, chunk: int, value: Any) -> tuple[torch.Tensor, ...]:
     """The second pass's outputs of ``chunk``, checked against the first pass's.
 
+    A floating output may not require grad (every parameter upstream frozen): it then passes no
+    gradient back, as in one backward of the whole batch (``CachedBackward`` checks that some
+    output does).
+
     Raises:
         TypeError, ValueError: what :func:`as_outputs` raises; another number of outputs, shape or
-            dtype than in the first pass; a floating output that does not require grad.
+            dtype than in the first pass.
     """
     outs = as_outputs(value, chunk)
     want = layout.shapes[chunk]
@@ -116,10 +124,6 @@ def check_second(layout: Layout, chunk: int, value: Any) -> tuple[torch.Tensor, 
             raise ValueError(f"output {k} of encode for chunk {chunk} is {out.dtype} {_shape(out)} in the "
                              f"second pass, {dtype} {shape} in the first: encode must give the same "
                              "outputs twice (the second pass replays the RNG state)")
-        if dtype.is_floating_point and not out.requires_grad:
-            raise ValueError(f"output {k} of encode for chunk {chunk} does not require grad in the second "
-                             "pass: encode detached it or ran it under torch.no_grad() (floating outputs "
-                             "carry the gradient; return labels as integer tensors)")
     return outs
 
 
@@ -134,9 +138,41 @@ def _share(counts: list[Any], world: int) -> Any:
     return total // world if isinstance(total, int) and total % world == 0 else total / world
 
 
-def representations(results: list[Any], n: Any, sync: GradSync
+def expected_rows(chunks: Sequence[Any]) -> list[int | None]:
+    """Each chunk's number of examples where the chunk tells it: the common dim 0 of its tensors
+    (a tensor, or tuples, lists and dicts of them, as :func:`gradaccum.chunks` cuts; strings and
+    numbers in it do not count); None where it does not (a list of texts, an object of the
+    user's, tensors of different lengths)."""
+    rows: list[int | None] = []
+    for chunk in chunks:
+        try:
+            rows.append(batch_size(chunk))
+        except (TypeError, ValueError):
+            rows.append(None)
+    return rows
+
+
+def check_rows(layout: Layout, rows: Sequence[int | None]) -> None:
+    """Every output of chunk ``i`` has ``rows[i]`` rows (None: not known, not checked).
+
+    Raises:
+        ValueError: naming the chunk, the output and both counts.
+    """
+    for i, (shapes, want) in enumerate(zip(layout.shapes, rows, strict=True)):
+        for k, shape in enumerate(shapes):
+            if want is not None and shape[0] != want:
+                raise ValueError(f"output {k} of encode for chunk {i} has {shape[0]} row(s), its chunk "
+                                 f"{want} example(s): dim 0 of each output indexes the chunk's examples "
+                                 "(return two views as two outputs; keep a per-batch value such as a "
+                                 "temperature inside loss_fn)")
+
+
+def representations(results: list[Any], n: Any, sync: GradSync, rows: Sequence[int | None] | None = None
                     ) -> tuple[Layout, list[torch.Tensor], list[int], Any]:
     """What ``loss_fn`` takes, from what ``encode`` returned for each chunk.
+
+    ``rows``: each chunk's examples where known (:func:`expected_rows`), checked against every
+    output's dim 0.
 
     Returns:
         ``(layout, leaves, own, count)``: the first pass's layout; each output concatenated over
@@ -145,8 +181,9 @@ def representations(results: list[Any], n: Any, sync: GradSync
         (under data parallel, this rank's equal share of the ranks' summed ``n``).
 
     Raises:
-        TypeError, ValueError: a bad output (:func:`as_outputs`, :meth:`Layout.of`); under data
-            parallel on every rank, when any rank's outputs are bad or the ranks' differ in kind.
+        TypeError, ValueError: a bad output (:func:`as_outputs`, :meth:`Layout.of`,
+            :func:`check_rows`); under data parallel on every rank, when any rank's outputs are
+            bad or the ranks' differ in kind.
     """
     world = sync.world_size
     layout: Layout | None = None
@@ -154,6 +191,8 @@ def representations(results: list[Any], n: Any, sync: GradSync
     try:
         per_chunk = [as_outputs(r, i) for i, r in enumerate(results)]
         layout = Layout.of(results, per_chunk)
+        if rows is not None:
+            check_rows(layout, rows)
     except (TypeError, ValueError) as e:
         if world == 1:
             raise

@@ -14,7 +14,7 @@ from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._checkpointing import Checkpointing
-from gradaccum.torch._feeds import Feeds
+from gradaccum.torch._feeds import Feeds, refuse_partial
 from gradaccum.torch._guards import Guard
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
@@ -138,6 +138,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self.epoch = 0
         self.grad_norm: torch.Tensor | None = None
         self._last_loss: WindowLoss | None = None
+        self._partial: str | None = None
         self._warned_no_grad = False
         self._holders = Holders(self, params, _open_steps)
         self._guard = Guard(self, optimizer, params)
@@ -221,7 +222,10 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         Raises:
             ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
                 every rank, before anything changes).
+            RuntimeError: a ``backward_cached`` call left the window partly accumulated
+                (:meth:`discard` it).
         """
+        refuse_partial(self._partial, self.micro_step)
         if self._window.terms and not self._window.complete:
             raise ValueError(
                 f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
@@ -261,6 +265,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self._sync.prepare(self._window.next_is_last)
 
     def _open_window(self, basis: Any) -> None:
+        self._partial = None
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
         self._window = Window.open(self.schedule(count), basis)
         self._sync.prepare(self._window.next_is_last)
@@ -268,7 +273,9 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
     def _before_feed(self, window: Window) -> None:
         """Before a micro-batch's backward: its window's first is checked against the other
         accumulators (torch/_holders.py), a later one against gradients changed outside
-        (torch/_guards.py)."""
+        (torch/_guards.py). A window a ``backward_cached`` call left partly accumulated is refused."""
+        if self._partial is not None:
+            refuse_partial(self._partial, window.micro_step)
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:

@@ -84,6 +84,14 @@ class FSDPSync(RankGroups):
         """
         if self.mode == "micro_batch":
             return  # every backward reduced: only the sharded .grad, cleared by the accumulator
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """Drop the unsharded gradients FSDP2 holds until its next reduction, whatever the mode.
+
+        In ``"micro_batch"`` mode they are only those of a ``backward_cached`` call's chunks before
+        its last (paused: the last reduces their sum): after such a call failed, they are its own.
+        """
         for fsdp_param in self._fsdp_params():
             fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)

@@ -1,0 +1,147 @@
+"""What a ``backward_cached`` call writes into ``.grad``, and what it can put back for free.
+
+The call adds its batch's gradient into the window's ``.grad`` in place, as ``backward`` does:
+no second, parameter-sized set of gradients is held. Two things keep it all-or-nothing wherever
+that costs nothing:
+
+* :class:`LossGrads`: the gradient ``loss_fn``'s own parameters (a temperature, a head applied in
+  the loss) get from the loss's backward is kept out of ``.grad`` until the second pass's last
+  chunk (its size: those parameters'); their gradients before the call are held aside
+  (references, no copy). An exception before then (in ``encode``, a check, a chunk's forward)
+  puts them back.
+* :class:`GradsBefore`: which parameters had a gradient before the call, and each one's tensor
+  and version. After an exception, a gradient that did not exist is set back to None (on a
+  window's first micro-batch: all of them, so nothing is left), and the others are found intact
+  or not: when one was added into, the window is partly accumulated (the accumulator then
+  refuses to go on until ``discard()``).
+
+:func:`put_back` does both after an exception, and under FSDP2 drops the unsharded gradients it
+holds for its next reduction when they are the call's own.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["GradsBefore", "LossGrads", "loss_params", "put_back"]
+
+
+def _version(g: torch.Tensor) -> int:
+    """The in-place version counter of a gradient's values (a DTensor's local shard)."""
+    return int(getattr(g, "_local_tensor", g)._version)
+
+
+def loss_params(loss: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors that require grad and that ``loss``'s graph reaches, other than ``leaves``:
+    the parameters ``loss_fn`` used (its graph ends at the representations' leaves, so the walk
+    covers the loss's own operations only)."""
+    mine = {id(t) for t in leaves}
+    found: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    todo: list[Any] = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if isinstance(variable, torch.Tensor):
+            if id(variable) not in mine:
+                found.append(variable)
+            continue
+        todo.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+class LossGrads:
+    """The loss's backward into ``loss_fn``'s parameters, held out of ``.grad`` until :meth:`add`.
+
+    Args:
+        params: the parameters the loss's graph reaches (:func:`loss_params`); made before the
+            loss's backward, which then writes their fresh gradient (:meth:`take` collects it).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.saved = [p.grad for p in self.params]
+        self.fresh: list[torch.Tensor | None] = []
+        self.added = False
+        for p in self.params:
+            p.grad = None
+
+    def take(self) -> None:
+        """After the loss's backward: keep its gradients, put the earlier ones back."""
+        self.fresh = [p.grad for p in self.params]
+        self.undo()
+
+    def add(self) -> None:
+        """Before the second pass's last backward: add the loss's gradients into ``.grad`` (under
+        DDP that backward then hands them to the reduction)."""
+        self.added = True
+        for p, g in zip(self.params, self.fresh, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.fresh = []
+
+    def undo(self) -> None:
+        """Put the gradients held before the call back (before :meth:`add` only)."""
+        if not self.added:
+            for p, g in zip(self.params, self.saved, strict=True):
+                p.grad = g
+
+
+class GradsBefore:
+    """Each parameter's gradient before the call: None, or its tensor (weakly) and version.
+
+    Args:
+        params: the optimizer's parameters.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params
+        self.before = [None if p.grad is None else (weakref.ref(p.grad), _version(p.grad)) for p in params]
+
+    def restore(self) -> bool:
+        """Set every gradient that did not exist before back to None; return True when each one
+        that did is the same tensor with the same values (the call added nothing into it)."""
+        intact = True
+        for p, held in zip(self.params, self.before, strict=True):
+            if held is None:
+                p.grad = None
+                continue
+            ref, version = held
+            g = p.grad
+            intact = intact and g is not None and ref() is g and _version(g) == version
+        return intact
+
+
+def put_back(before: GradsBefore, sync: Any, empty: bool, began: bool) -> bool:
+    """After an exception in a call: set back the gradients that did not exist before it; under
+    FSDP2, once the second pass began, drop the unsharded gradients FSDP2 holds for its next
+    reduction when they are the call's own (``sync="micro_batch"``: the chunks before the last are
+    paused; ``sync="window"`` on a window's first micro-batch, ``empty``).
+
+    Returns:
+        True when nothing the window held before the call was changed.
+    """
+    intact = before.restore()
+    drop = getattr(sync, "drop_pending", None)
+    if began and drop is not None:
+        if not empty and _grads_outside(sync):
+            return False  # sync="window": the window's own gradients are among them
+        drop()
+    return intact
+
+
+def _grads_outside(sync: Any) -> bool:
+    """True when ``sync`` holds the partial window's gradients outside ``.grad`` (FSDP2 with
+    ``sync="window"``: it refuses to checkpoint them)."""
+    try:
+        sync.check_saveable()
+    except RuntimeError:
+        return True
+    return False
