@@ -13,11 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
 from gradaccum.testing._probes import IGNORE_INDEX, label_tensors, make_probes
-from gradaccum.testing._runs import Job, Trace
+from gradaccum.testing._runs import Job, Trace, build
 
 __all__ = ["Context", "Finding", "diagnose"]
 
@@ -45,7 +48,7 @@ class Context:
     def probes(self) -> list[Probe]:
         """The first-window probes (:func:`make_probes`), run on the first call."""
         if self._probes is None:
-            self._probes = make_probes(self.job, self.ref, self.known, self.loss_fn, self.clip_norm)
+            self._probes = make_probes(self.job, self.ref, self.known, self.loss_fn, self.clip_norm, self.tol)
         return self._probes
 
 
@@ -58,6 +61,14 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
             return Finding(words.NO_UPDATE, "")
         if len(trace.steps[v]) > 1:
             return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
+    names = list(ctx.job.names)
+    seen = flat(trace.steps[w][0].grads, names)
+    if len(ctx.ref.steps[w]) == 1:
+        unclipped = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names)
+        said = causes.no_gradient(trace, w, seen, unclipped) or (causes.reduced_twice(
+            trace, w, ctx.job.world, seen, unclipped, ctx.tol) if ctx.job.world > 1 else None)
+        if said is not None:
+            return Finding(f"{words.amount(c.ratio, c.cosine)}: {said[0]}", said[1])
     if c.apart is not None:
         return Finding(words.ranks_apart(c.apart), "")
     head = words.amount(c.ratio, c.cosine)
@@ -65,8 +76,7 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
         return _candidates(words.differs(c.ratio, c.cosine),
                            [f"the reference, your step on the whole batch as one micro-batch, stepped "
                             f"{len(ctx.ref.steps[w])} times in window {w + 1}: pass loss_fn"])
-    names = list(ctx.job.names)
-    seen, full = flat(trace.steps[w][0].grads, names), flat(ctx.ref.steps[w][0].grads, names)
+    full = flat(ctx.ref.steps[w][0].grads, names)
     if close(seen, full, ctx.tol):
         return _learning_rate(c, ctx, head)
     if w > 0:
@@ -101,6 +111,9 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
         return Finding(f"{head}: {words.scheduler(trace.scheduler_steps[odd], odd + 1, len(c.sizes))}",
                        f"why: the gradient is the full batch's; your step called scheduler.step() "
                        f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
+    rate = causes.learning_rate(ctx.probes(), ctx.ref.steps[0][0].lrs[0], len(c.sizes))
+    if rate is not None and mine[0] == theirs[0] * len(c.sizes) ** (1 if "multiplied" in rate[0] else -1):
+        return Finding(f"{head}: {rate[0]}", rate[1])
     if mine != theirs:
         return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient is the full batch's, {lrs}",
                            ["a scheduler stepped more or less often than once per optimizer step",
@@ -114,8 +127,16 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
 def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) -> Finding:
     k = len(c.sizes)
     probes = ctx.probes()
+    mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
+    if mixed is not None:
+        return Finding(f"{head}: {mixed[0]}", mixed[1])
     standing = explain(probes, ctx.clip_norm, ctx.tol) if probes else []
     if ctx.job.world > 1 and standing and standing[0] == Hypothesis("full", "exact"):
+        for times, summed in ((ctx.job.world, True), (1 / ctx.job.world, False)):
+            if close(seen, times * full, ctx.tol):
+                return Finding(f"{head}: {words.rank_scale(ctx.job.world, summed)}",
+                               "why: the same step on one process gives the full batch's gradient for "
+                               f"every split tried, and on the ranks {times:.4g}x it")
         return Finding(f"{head}: exact on one process, not on {ctx.job.world} ranks: a count or a "
                        "gradient taken per rank (pass model=ddp_model to the Accumulator, or sum the "
                        "counts over the ranks)",
@@ -138,6 +159,9 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
         h = standing[0]
         return Finding(f"{head}: {_name(Hypothesis(h.base, 'exact'), k, ctx)} (its scale hidden by "
                        "clipping)", "why: " + _evidence(h, probes, ctx, scale_hidden=True))
+    read = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol) if ctx.loss_fn else None
+    if read is not None:
+        return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
                        ctx.tol)
     listed = [_name(h, k, ctx) for h in standing] or list(words.DIRECTION if turned else words.SCALE)
@@ -150,6 +174,18 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     return _candidates(words.differs(c.ratio, c.cosine), listed)
 
 
+def _start(job: Job) -> dict[str, torch.Tensor]:
+    """Each parameter's start value, placed in a flat vector of zeros (the parameters' order)."""
+    names = list(job.names)
+    sizes = [job.state[n].numel() for n in names]
+    out = {}
+    for i, n in enumerate(names):
+        vector = torch.zeros(sum(sizes), dtype=torch.float64)
+        vector[sum(sizes[:i]):sum(sizes[:i + 1])] = job.state[n].double().flatten()
+        out[n] = vector
+    return out
+
+
 def _name(h: Hypothesis, k: int, ctx: Context) -> str:
     """What hypothesis ``h`` is called for a window of ``k`` micro-batches."""
     if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
@@ -159,7 +195,7 @@ def _name(h: Hypothesis, k: int, ctx: Context) -> str:
              "constant": _constant(h.param, ctx)}[h.family]
     if h.base == "full":
         return scale
-    weighting = words.MEANS if h.base == "means" else words.count_weights(h.base)
+    weighting = {"means": words.MEANS, "items": words.ROWS}.get(h.base) or words.count_weights(h.base)
     return weighting + (f", and {scale}" if scale else "")
 
 
@@ -193,16 +229,19 @@ def _evidence(h: Hypothesis, probes: list[Probe], ctx: Context, scale_hidden: bo
     rule = {"exact": "", "twice": " divided by k", "not divided": " times k",
             "fixed": f" times k/{int(h.param)}", "constant": f" times {h.param:.4g}",
             "clip each": ""}[h.family]
-    if h.family == "clip each":
-        said = f"the running sum clipped at {ctx.clip_norm:g} after every micro-batch"
-    elif h.base == "full":
+    if h.base == "full":
         said = f"the full batch's gradient{rule}"
     elif h.base == "means":
         said = f"the mean of the micro-batches' own mean gradients{rule}"
+    elif h.base == "items":
+        said = f"the micro-batches' own mean gradients weighted by their rows{rule}"
     else:
         kind, where = h.base.split(":", 1)
         said = (f"the micro-batches' gradients weighted by {where}'s token counts "
                 f"{'before' if kind == 'count' else 'after'} the shift{rule}")
+    if h.family == "clip each":
+        of = "" if h.base == "full" else " of " + said
+        said = f"the running sum{of} clipped at {ctx.clip_norm:g} after every micro-batch"
     if scale_hidden:
         said = said.removesuffix(rule) + " at some scale"
     clipped = "" if ctx.clip_norm is None or h.family == "clip each" else f", clipped at {ctx.clip_norm:g}"
