@@ -43,7 +43,7 @@ def main() -> None:
         rows.append({"loop": name, "bug": cell.named is not None, "caught": caught, "verdict": verdict,
                      "says": m.cause(message) if caught else "exact",
                      "seconds": round(time.perf_counter() - start, 2)})
-    print(f"| loop | caught | verdict | what the report says (first split that differs) |")
+    print("| loop | caught | verdict | what the report says (first split that differs) |")
     print("| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['loop']} | {'yes' if r['caught'] else 'no'} | {r['verdict']} | {r['says']} |")

@@ -82,7 +82,7 @@ def test_a_rule_of_which_micro_batches_reached_the_step_is_named_only_when_one_a
 @pytest.mark.slow
 def test_on_two_ranks_a_correct_loop_passes_and_each_bug_is_named_with_a_fix_that_applies():
     said = {name: m.run_cell(cell) for name, cell in {**m.CORRECT_RANKS, **m.BUGS_RANKS}.items()}
-    for name, cell in m.CORRECT_RANKS.items():
+    for name in m.CORRECT_RANKS:
         assert not said[name][0], said[name][1]
     for name, cell in m.BUGS_RANKS.items():
         assert m.verdict(cell, *said[name]) == "named", said[name][1]

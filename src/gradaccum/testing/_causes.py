@@ -89,14 +89,15 @@ def mixing(probes: list[Probe], model: nn.Module, tol: float) -> Said | None:
                   f"{splits} (as it is for a model whose samples do not interact){loop}")
 
 
-def from_weights(probes: list[Probe], trace: Trace, params: dict[str, torch.Tensor],
-                 tol: float) -> Said | None:
-    """Which micro-batches reached the step, or an L2 term k-dependent, read from the weights."""
+def from_weights(probes: list[Probe], trace: Trace, params: dict[str, torch.Tensor], tol: float,
+                 clip_norm: float | None = None) -> Said | None:
+    """Which micro-batches reached the step, or an L2 term growing with k, read from the weights
+    (over their sum where the gradient was clipped at ``clip_norm``)."""
     readings: list[Reading] = []
     for p in probes:
         if p.parts is None:
             return None
-        reading = read(p.sizes, p.seen, p.parts, params, tol)
+        reading = read(p.sizes, p.seen, p.parts, params, tol, clip_norm)
         if reading is None:
             return None
         readings.append(reading)

@@ -77,22 +77,26 @@ class Reading:
     top: float = 1.0
 
 
-def read(sizes: tuple[int, ...], seen: torch.Tensor, parts: torch.Tensor,
-         params: dict[str, torch.Tensor], tol: float) -> Reading | None:
+def read(sizes: tuple[int, ...], seen: torch.Tensor, parts: torch.Tensor, params: dict[str, torch.Tensor],
+         tol: float, clip_norm: float | None = None) -> Reading | None:
     """``seen`` as a weighting of ``parts`` (each micro-batch's own gradient), or of ``parts`` and
-    the parameters (``params``: each tensor's start value placed in a flat vector of zeros)."""
+    the parameters (``params``: each tensor's start value placed in a flat vector of zeros). Where
+    ``seen`` was clipped at ``clip_norm`` its scale is the clip's: the weights are then given over
+    their sum."""
     coef = solve(parts, seen, tol)
     top = float(seen.abs().max()) if seen.numel() else 0.0
-    if coef is not None:
-        return Reading(sizes, coef, {}, top)
-    names = [n for n, v in params.items() if float(v.abs().max()) > 0]
-    if not names:
-        return None
-    both = solve(torch.cat([parts, torch.stack([params[n] for n in names])]), seen, tol)
-    if both is None:
-        return None
-    k = len(sizes)
-    return Reading(sizes, both[:k], {n: float(both[k + i]) for i, n in enumerate(names)}, top)
+    decay: dict[str, float] = {}
+    if coef is None:
+        names = [n for n, v in params.items() if float(v.abs().max()) > 0]
+        columns = torch.cat([parts, *(params[n][None] for n in names)])
+        both = solve(columns, seen, tol) if names else None
+        if both is None:
+            return None
+        coef, decay = both[:len(sizes)], {n: float(both[len(sizes) + i]) for i, n in enumerate(names)}
+    total = float(coef.sum())
+    if clip_norm is not None and float(seen.norm()) >= clip_norm * (1 - 1e-4) and total != 0:
+        coef, decay, top = coef / total, {n: d / total for n, d in decay.items()}, top / abs(total)
+    return Reading(sizes, coef, decay, top)
 
 
 def _nonzero(coef: torch.Tensor, tol: float) -> frozenset[int]:

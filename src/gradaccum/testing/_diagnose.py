@@ -159,7 +159,8 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
         h = standing[0]
         return Finding(f"{head}: {_name(Hypothesis(h.base, 'exact'), k, ctx)} (its scale hidden by "
                        "clipping)", "why: " + _evidence(h, probes, ctx, scale_hidden=True))
-    read = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol) if ctx.loss_fn else None
+    read = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol, ctx.clip_norm) \
+        if ctx.loss_fn else None
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
@@ -216,9 +217,16 @@ def _is_token_ratio(factor: float, ctx: Context) -> bool:
 
 
 def _constant(factor: float, ctx: Context) -> str:
-    """A constant factor, named an unshifted token count when it is the batch's ratio of counts."""
+    """A constant factor, named an unshifted token count when it is the batch's ratio of counts,
+    and a count of rows when it is a label tensor's tokens per row."""
     found = _token_ratio(factor, ctx)
-    return words.wrong_count(factor, None) if found is None else words.wrong_count(factor, *found)
+    if found is not None:
+        return words.wrong_count(factor, *found)
+    for where, labels in label_tensors(ctx.job.batch):
+        for tokens in (int((labels != IGNORE_INDEX).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())):
+            if tokens != labels.shape[0] and abs(factor - tokens / labels.shape[0]) <= ctx.tol * factor:
+                return words.rows_count(factor, where, tokens, labels.shape[0])
+    return words.wrong_count(factor, None)
 
 
 def _evidence(h: Hypothesis, probes: list[Probe], ctx: Context, scale_hidden: bool = False) -> str:

@@ -7,7 +7,7 @@ __all__ = [
     "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "ROWS", "SCALE",
     "STALE", "SUPPORT", "amount", "count_weights", "differs", "fixed_n", "l2_penalty", "learning_rate",
     "many_steps", "mixing_layer", "no_gradient", "not_divided", "rank_scale", "ranks_apart", "reduced_twice",
-    "scheduler", "twice", "wrong_count",
+    "rows_count", "scheduler", "twice", "wrong_count",
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -98,6 +98,13 @@ def wrong_count(factor: float, where: str | None, shifted: int = 0, counted: int
                 f"shift and is divided by the {counted} counted before it (count_tokens(labels, shift=True))")
     return (f"a token count taken after a shift the loss does not make: the loss sums the {shifted} "
             f"tokens of {where} and is divided by {counted}")
+
+
+def rows_count(factor: float, where: str, tokens: int, rows: int) -> str:
+    """A summed loss divided by the number of sequences where the reference averages tokens."""
+    return (f"a loss summed over the {tokens} tokens of {where} and divided by its {rows} sequences "
+            f"(rows), not its tokens ({factor:.4g}x whatever the split): n_items counts sequences "
+            "(n_items=count_tokens(labels))")
 
 
 def count_weights(base: str) -> str:
