@@ -279,6 +279,12 @@ def n_items_sequences(model, optimizer, micro_batches):
         acc.backward(tag_loss(model, batch), n_items=len(batch[0]))  # sequences, not tokens
 
 
+def n_items_sequences_summed(model, optimizer, micro_batches):
+    acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
+    for batch in micro_batches:
+        acc.backward(tag_loss(model, batch, "sum"), n_items=len(batch[0]), reduction="sum")
+
+
 def zero_grad_every_micro_step(model, optimizer, micro_batches):
     for batch in micro_batches:
         optimizer.zero_grad()
@@ -303,10 +309,12 @@ def last_micro_batch_only(model, optimizer, micro_batches):
     optimizer.zero_grad()
 
 
-def l2_every_micro_step(model, optimizer, micro_batches):
+def l2_every_micro_step(model, optimizer, micro_batches, clip=None):
     total = sum(items(b) for b in micro_batches)
     for batch in micro_batches:
         (ce(model, batch) * items(batch) / total + penalty(model)).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -391,10 +399,14 @@ BUGS = {
     "LR x k": Cell(lr_times_k, "mlp", "the learning rate multiplied by"),
     "BatchNorm": Cell(batchnorm_accumulator, "mlp+bn", "BatchNorm1d"),
     "n_items = sequences": Cell(n_items_sequences, "tagger", "counts sequences"),
+    "n_items = sequences, summed loss": Cell(n_items_sequences_summed, "tagger",
+                                             "divided by its 12 sequences"),
     "zero_grad every micro-step": Cell(zero_grad_every_micro_step, "mlp", "zero_grad() runs before every"),
     "drop the smaller micro-batches": Cell(drop_smaller, "mlp", "smaller micro-batch"),
     "last micro-batch only": Cell(last_micro_batch_only, "mlp", "backward() runs once, on the last"),
     "L2 every micro-step": Cell(l2_every_micro_step, "mlp+l2", "L2 penalty added on every micro-batch"),
+    "L2 every micro-step, clipped": Cell(l2_every_micro_step, "mlp+l2",
+                                         "L2 penalty added on every micro-batch", clip=CLIP_ONCE),
     "zero_grad before step": Cell(zero_grad_before_step, "mlp", "zero_grad() runs before step()"),
     "token sum never divided": Cell(token_sum_undivided, "tagger", "a loss divided by a wrong count"),
 }

@@ -205,7 +205,8 @@ def test_a_weighting_by_sequences_is_named_so_not_a_token_count():
         assert_accumulation_exact(per_sequence, token_model, padded_batch(), splits=(4, [5, 5, 2]),
                                   loss_fn=token_loss)
     lines = str(err.value).splitlines()
-    assert all("counts sequences (rows) or padded positions where the loss averages tokens" in line for line in lines[1:3])
+    named = "counts sequences (rows) or padded positions where the loss averages tokens"
+    assert all(named in line for line in lines[1:3])
     assert "weighted by their rows" in lines[3] and "not singled out" not in str(err.value)
     assert "an n_items that counts batch" not in str(err.value)
 
