@@ -408,7 +408,8 @@ BUGS = {
     "L2 every micro-step, clipped": Cell(l2_every_micro_step, "mlp+l2",
                                          "L2 penalty added on every micro-batch", clip=CLIP_ONCE),
     "zero_grad before step": Cell(zero_grad_before_step, "mlp", "zero_grad() runs before step()"),
-    "token sum never divided": Cell(token_sum_undivided, "tagger", "a loss divided by a wrong count"),
+    "token sum never divided": Cell(token_sum_undivided, "tagger",
+                                    "summed over the 46 tokens of batch[1] and never divided"),
 }
 BUGS_RANKS = {
     "2 ranks: DDP + all_reduce(SUM)": Cell(ddp_all_reduce_sum, "mlp", "remove the all_reduce", splits=(1, 3),

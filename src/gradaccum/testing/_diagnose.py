@@ -21,6 +21,7 @@ from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
 from gradaccum.testing._probes import IGNORE_INDEX, label_tensors, make_probes
 from gradaccum.testing._runs import Job, Trace, build
+from gradaccum.torch.memory.split import batch_size
 
 __all__ = ["Context", "Finding", "diagnose"]
 
@@ -226,6 +227,11 @@ def _constant(factor: float, ctx: Context) -> str:
         for tokens in (int((labels != IGNORE_INDEX).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())):
             if tokens != labels.shape[0] and abs(factor - tokens / labels.shape[0]) <= ctx.tol * factor:
                 return words.rows_count(factor, where, tokens, labels.shape[0])
+            if tokens > 1 and abs(factor - tokens) <= ctx.tol * factor:
+                return words.never_divided(f"{tokens} tokens of {where}")
+    rows = batch_size(ctx.job.batch)  # the probes' batch: the whole one, on one process
+    if rows > 1 and abs(factor - rows) <= ctx.tol * factor:
+        return words.never_divided(f"{rows} items of the batch")
     return words.wrong_count(factor, None)
 
 

@@ -120,7 +120,10 @@ class Recorder:
                 self.trace.events[-1].append(("zero_grad", self.backwards()))
             return zero_grad(*args, **kwargs)
 
-        object.__setattr__(owner, "zero_grad", counted)
+        try:
+            object.__setattr__(owner, "zero_grad", counted)
+        except (AttributeError, TypeError):  # no instance attributes (__slots__): not counted
+            return
         self.patched.append((owner, "zero_grad"))
 
     def open_window(self) -> None:
