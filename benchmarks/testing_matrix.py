@@ -49,13 +49,14 @@ def main() -> None:
         print(f"| {r['loop']} | {'yes' if r['caught'] else 'no'} | {r['verdict']} | {r['says']} |")
     bugs = [r for r in rows if r["bug"]]
     correct = [r for r in rows if not r["bug"]]
-    summary = {"correct loops": len(correct), "false alarms": sum(r["caught"] for r in correct),
-               "buggy loops": len(bugs), "caught": sum(r["caught"] for r in bugs),
+    summary = {"correct": len(correct), "false_alarms": sum(r["caught"] for r in correct),
+               "buggy": len(bugs), "caught": sum(r["caught"] for r in bugs),
                "named": sum(r["verdict"] == "named" for r in bugs),
-               "misnamed": sum(r["verdict"] == "misnamed" for r in bugs)}
+               "misnamed": sum(r["verdict"] == "misnamed" for r in bugs),
+               "seconds": round(sum(r["seconds"] for r in rows), 1)}
     print(summary)
     if args.json:
-        write_results(args.json, {"machine": describe_machine(), "torch": torch.__version__,
+        write_results(args.json, {"machine": describe_machine(), "ranks": not args.no_ranks,
                                   "summary": summary, "rows": rows})
 
 
