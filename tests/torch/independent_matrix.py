@@ -334,6 +334,13 @@ def token_sum_undivided(model, optimizer, micro_batches):
     optimizer.zero_grad()
 
 
+def item_sum_undivided(model, optimizer, micro_batches):
+    for x, y in micro_batches:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def ddp_all_reduce_sum(model, optimizer, micro_batches):
     total = sum(items(b) for b in micro_batches)
     for batch in micro_batches:
@@ -410,6 +417,12 @@ BUGS = {
     "zero_grad before step": Cell(zero_grad_before_step, "mlp", "zero_grad() runs before step()"),
     "token sum never divided": Cell(token_sum_undivided, "tagger",
                                     "summed over the 46 tokens of batch[1] and never divided"),
+    "item sum never divided": Cell(item_sum_undivided, "mlp",
+                                   "summed over the 12 items of the batch and never"),
+    "BatchNorm, and the last micro-batch only": Cell(
+        last_micro_batch_only, "mlp+bn", "BatchNorm1d ('1') normalizes each micro-batch with its own mean "
+        "and variance in training: no loop over micro-batches gives the full batch's gradient (window "
+        "BatchNorm, GroupNorm or frozen statistics: docs/BATCHNORM.md); and only the last micro-batch"),
 }
 BUGS_RANKS = {
     "2 ranks: DDP + all_reduce(SUM)": Cell(ddp_all_reduce_sum, "mlp", "remove the all_reduce", splits=(1, 3),

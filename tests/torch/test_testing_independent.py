@@ -10,6 +10,7 @@ fitting candidate, and on 2 ranks a manual all_reduce(SUM) got a fix that did no
 import pytest
 import torch
 
+from gradaccum.testing import assert_accumulation_exact
 from gradaccum.testing._combination import Reading, readable, solve, support_rule
 from tests.torch import independent_matrix as m
 
@@ -51,6 +52,24 @@ def test_clipping_per_micro_step_keeps_its_name_on_an_uneven_split():
     # the correct weighting of the micro-batches, clipped once per window, passes (the negative twin)
     caught, _ = m.run_cell(m.Cell(m.hand_item_weighted, "mlp", clip=m.CLIP_EACH))
     assert not caught
+
+
+def test_a_squared_error_summed_and_never_divided_is_named_by_its_elements():
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(12, 3, dtype=torch.float64, generator=gen),
+             torch.randn(12, 2, dtype=torch.float64, generator=gen))
+
+    def summed(model, optimizer, micro_batches):
+        for x, y in micro_batches:
+            torch.nn.functional.mse_loss(model(x), y, reduction="sum").backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with pytest.raises(AssertionError) as err:
+        assert_accumulation_exact(summed, lambda: torch.nn.Linear(3, 2).double(), batch,
+                                  loss_fn=lambda model, b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+    said = "24x the full batch: a loss summed over the 24 elements of batch[1] and never divided"
+    assert said in str(err.value)
 
 
 def test_a_gradient_is_read_as_weights_only_where_they_are_fixed_by_it():

@@ -19,7 +19,7 @@ from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._probes import IGNORE_INDEX, label_tensors, make_probes
+from gradaccum.testing._probes import IGNORE_INDEX, batch_tensors, label_tensors, make_probes
 from gradaccum.testing._runs import Job, Trace, build
 from gradaccum.torch.memory.split import batch_size
 
@@ -129,8 +129,12 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     k = len(c.sizes)
     probes = ctx.probes()
     mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
-    if mixed is not None:
-        return Finding(f"{head}: {mixed[0]}", mixed[1])
+    if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
+        also = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol, ctx.clip_norm)
+        if also is None:
+            return Finding(f"{head}: {mixed[0]}", mixed[1])
+        return Finding(f"{head}: {mixed[0]}; and {also[0]}",
+                       f"{mixed[1]}; and {also[1].removeprefix('why: ')}")
     standing = explain(probes, ctx.clip_norm, ctx.tol) if probes else []
     if ctx.job.world > 1 and standing and standing[0] == Hypothesis("full", "exact"):
         for times, summed in ((ctx.job.world, True), (1 / ctx.job.world, False)):
@@ -232,6 +236,9 @@ def _constant(factor: float, ctx: Context) -> str:
     rows = batch_size(ctx.job.batch)  # the probes' batch: the whole one, on one process
     if rows > 1 and abs(factor - rows) <= ctx.tol * factor:
         return words.never_divided(f"{rows} items of the batch")
+    for where, tensor in batch_tensors(ctx.job.batch):  # a mean over elements (MSE's), never taken
+        if tensor.numel() > 1 and abs(factor - tensor.numel()) <= ctx.tol * factor:
+            return words.never_divided(f"{tensor.numel()} elements of {where}")
     return words.wrong_count(factor, None)
 
 

@@ -17,7 +17,7 @@ from gradaccum.testing._evidence import Probe, clip
 from gradaccum.testing._runs import Job, Trace, build, grads_of, run_split
 from gradaccum.torch.memory.split import batch_size, split_batch
 
-__all__ = ["IGNORE_INDEX", "label_tensors", "make_probes", "probe_sizes"]
+__all__ = ["IGNORE_INDEX", "batch_tensors", "label_tensors", "make_probes", "probe_sizes"]
 
 IGNORE_INDEX = -100  # the label PyTorch's and Hugging Face's token losses skip
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -34,8 +34,8 @@ def probe_sizes(total: int, splits: list[tuple[int, ...]]) -> list[tuple[int, ..
     return out
 
 
-def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The batch's integer tensors with a sequence dimension (labels, token ids), by where they are."""
+def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The batch's tensors, by where they are (``batch[1]``, ``batch['labels']``)."""
     if isinstance(batch, torch.Tensor):
         items: list[tuple[str, Any]] = [("batch", batch)]
     elif isinstance(batch, dict):
@@ -44,7 +44,12 @@ def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
         items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
     else:
         items = []
-    return [(where, t) for where, t in items if isinstance(t, torch.Tensor) and t.dim() >= 2
+    return [(where, t) for where, t in items if isinstance(t, torch.Tensor)]
+
+
+def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The batch's integer tensors with a sequence dimension (labels, token ids), by where they are."""
+    return [(where, t) for where, t in batch_tensors(batch) if t.dim() >= 2
             and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)]
 
 
