@@ -341,6 +341,16 @@ def item_sum_undivided(model, optimizer, micro_batches):
     optimizer.zero_grad()
 
 
+def backward_twice(model, optimizer, micro_batches):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        loss = ce(model, batch) * items(batch) / total
+        loss.backward(retain_graph=True)  # once to "check" the gradient...
+        loss.backward()  # ...and once for real
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def ddp_all_reduce_sum(model, optimizer, micro_batches):
     total = sum(items(b) for b in micro_batches)
     for batch in micro_batches:
@@ -417,6 +427,7 @@ BUGS = {
     "zero_grad before step": Cell(zero_grad_before_step, "mlp", "zero_grad() runs before step()"),
     "token sum never divided": Cell(token_sum_undivided, "tagger",
                                     "summed over the 46 tokens of batch[1] and never divided"),
+    "backward twice per micro-batch": Cell(backward_twice, "mlp", "backward() runs 2 times on each"),
     "item sum never divided": Cell(item_sum_undivided, "mlp",
                                    "summed over the 12 items of the batch and never"),
     "BatchNorm, and the last micro-batch only": Cell(

@@ -158,6 +158,10 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
         h is None or (h.family == "constant" and not _is_token_ratio(h.param, ctx)))
     if h is not None and not hidden_clip:
+        repeated = _repeated_backward(h, c.traces[0], k)
+        if repeated is not None:
+            return Finding(f"{head}: {words.backward_times(repeated)}", "why: " + _evidence(h, probes, ctx)
+                           + f"; {repeated * k} backward passes in a window of {k} micro-batches")
         return Finding(f"{head}: {_name(h, k, ctx)}", "why: " + _evidence(h, probes, ctx))
     weighting = {s.base for s in standing}
     if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
@@ -178,6 +182,15 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     if ctx.loss_fn is None:
         listed.append("(pass loss_fn: the evidence is sharper against a reference of its own)")
     return _candidates(words.differs(c.ratio, c.cosine), listed)
+
+
+def _repeated_backward(h: Hypothesis, trace: Trace, k: int) -> int | None:
+    """m, when the gradient is m times the full batch's on every split and the window held m
+    backward passes per micro-batch (m >= 2)."""
+    m = round(h.param)
+    if h != Hypothesis("full", "constant", h.param) or m < 2 or abs(h.param - m) > 1e-6 * m:
+        return None
+    return m if trace.backwards and trace.backwards[0] == m * k else None
 
 
 def _start(job: Job) -> dict[str, torch.Tensor]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 __all__ = [
     "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "ROWS", "SCALE",
-    "STALE", "SUPPORT", "amount", "count_weights", "differs", "fixed_n", "l2_penalty", "learning_rate",
-    "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided", "rank_scale",
-    "ranks_apart", "reduced_twice", "rows_count", "scheduler", "twice", "wrong_count",
+    "STALE", "SUPPORT", "amount", "backward_times", "count_weights", "differs", "fixed_n", "l2_penalty",
+    "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
+    "rank_scale", "ranks_apart", "reduced_twice", "rows_count", "scheduler", "twice", "wrong_count",
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -98,6 +98,12 @@ def wrong_count(factor: float, where: str | None, shifted: int = 0, counted: int
                 f"shift and is divided by the {counted} counted before it (count_tokens(labels, shift=True))")
     return (f"a token count taken after a shift the loss does not make: the loss sums the {shifted} "
             f"tokens of {where} and is divided by {counted}")
+
+
+def backward_times(m: int) -> str:
+    """Each micro-batch's loss went through backward() ``m`` times."""
+    return (f"backward() runs {m} times on each micro-batch's loss: its gradient is added {m} times "
+            "(call it once per micro-batch)")
 
 
 def never_divided(what: str) -> str:
