@@ -1,11 +1,15 @@
 """Why a split differs from the full batch, said only as far as the evidence goes.
 
 The first window that differs is read in this order: how often the optimizer stepped in it; whether
-the ranks parted; whether the optimizer saw the full batch's gradient (then the learning rate
-differs: a scheduler stepped per micro-batch); after a first window that agreed, whether the
-previous window's gradient was still in ``.grad``; in the first window, which hypothesis of
-:mod:`gradaccum.testing._evidence` gives the gradient on every split tried. A cause is named
-when one explanation stands; otherwise the words give the difference and list the candidates.
+it stepped on a zero gradient, or (on ranks) on gradients the step all-reduced itself
+(:mod:`gradaccum.testing._causes`); whether the ranks parted; whether the optimizer saw the full
+batch's gradient (then the learning rate differs: a scheduler stepped per micro-batch, a rate k
+times the full batch's); after a first window that agreed, whether the previous window's gradient
+was still in ``.grad``; in the first window, whether the full batch's gradient is a weighting of
+its micro-batches' own at all (else a layer mixes the samples), which hypothesis of
+:mod:`gradaccum.testing._evidence` gives the gradient on every split tried, and else what the
+micro-batches' weights show (:mod:`gradaccum.testing._combination`). A cause is named when one
+explanation stands; otherwise the words give the difference and list the candidates.
 """
 
 from __future__ import annotations
@@ -13,15 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._probes import IGNORE_INDEX, batch_tensors, label_tensors, make_probes
+from gradaccum.testing._naming import evidence, is_token_ratio, name, start_vectors
+from gradaccum.testing._probes import make_probes
 from gradaccum.testing._runs import Job, Trace, build
-from gradaccum.torch.memory.split import batch_size
 
 __all__ = ["Context", "Finding", "diagnose"]
 
@@ -130,7 +132,7 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     probes = ctx.probes()
     mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
     if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
-        also = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol, ctx.clip_norm)
+        also = causes.from_weights(probes, c.traces[0], start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
         if also is None:
             return Finding(f"{head}: {mixed[0]}", mixed[1])
         return Finding(f"{head}: {mixed[0]}; and {also[0]}",
@@ -156,25 +158,27 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     h = standing[0] if len(standing) == 1 and len({len(p.sizes) for p in probes}) > 1 else None
     # A constant factor below 1 is also what clipping the helper was not told of gives.
     hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
-        h is None or (h.family == "constant" and not _is_token_ratio(h.param, ctx)))
+        h is None or (h.family == "constant" and not is_token_ratio(h.param, ctx.job, ctx.tol)))
     if h is not None and not hidden_clip:
+        why = "why: " + evidence(h, probes, ctx.clip_norm)
         repeated = _repeated_backward(h, c.traces[0], k)
         if repeated is not None:
-            return Finding(f"{head}: {words.backward_times(repeated)}", "why: " + _evidence(h, probes, ctx)
-                           + f"; {repeated * k} backward passes in a window of {k} micro-batches")
-        return Finding(f"{head}: {_name(h, k, ctx)}", "why: " + _evidence(h, probes, ctx))
+            return Finding(f"{head}: {words.backward_times(repeated)}",
+                           f"{why}; {repeated * k} backward passes in a window of {k} micro-batches")
+        return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}", why)
     weighting = {s.base for s in standing}
     if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
         h = standing[0]
-        return Finding(f"{head}: {_name(Hypothesis(h.base, 'exact'), k, ctx)} (its scale hidden by "
-                       "clipping)", "why: " + _evidence(h, probes, ctx, scale_hidden=True))
-    read = causes.from_weights(probes, c.traces[0], _start(ctx.job), ctx.tol, ctx.clip_norm) \
+        return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
+                       "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
+    read = causes.from_weights(probes, c.traces[0], start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
         if ctx.loss_fn else None
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
                        ctx.tol)
-    listed = [_name(h, k, ctx) for h in standing] or list(words.DIRECTION if turned else words.SCALE)
+    listed = [name(h, k, ctx.job, ctx.tol) for h in standing] or list(
+        words.DIRECTION if turned else words.SCALE)
     if hidden_clip and not turned:
         listed.append(f"clipping that the reference does not apply (pass clip_norm=; your step's "
                       f"gradient norm is {float(seen.norm()):.4g}, the full batch's "
@@ -191,93 +195,3 @@ def _repeated_backward(h: Hypothesis, trace: Trace, k: int) -> int | None:
     if h != Hypothesis("full", "constant", h.param) or m < 2 or abs(h.param - m) > 1e-6 * m:
         return None
     return m if trace.backwards and trace.backwards[0] == m * k else None
-
-
-def _start(job: Job) -> dict[str, torch.Tensor]:
-    """Each parameter's start value, placed in a flat vector of zeros (the parameters' order)."""
-    names = list(job.names)
-    sizes = [job.state[n].numel() for n in names]
-    out = {}
-    for i, n in enumerate(names):
-        vector = torch.zeros(sum(sizes), dtype=torch.float64)
-        vector[sum(sizes[:i]):sum(sizes[:i + 1])] = job.state[n].double().flatten()
-        out[n] = vector
-    return out
-
-
-def _name(h: Hypothesis, k: int, ctx: Context) -> str:
-    """What hypothesis ``h`` is called for a window of ``k`` micro-batches."""
-    if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
-        return words.HIDDEN_SCALE
-    scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
-             "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
-             "constant": _constant(h.param, ctx)}[h.family]
-    if h.base == "full":
-        return scale
-    weighting = {"means": words.MEANS, "items": words.ROWS}.get(h.base) or words.count_weights(h.base)
-    return weighting + (f", and {scale}" if scale else "")
-
-
-def _token_ratio(factor: float, ctx: Context) -> tuple[str, int, int] | None:
-    """The label tensor whose token count after the shift over that before it (or the inverse)
-    is ``factor``: where it is, and the two counts."""
-    for where, labels in label_tensors(ctx.job.batch):
-        shifted = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        counted = int((labels != IGNORE_INDEX).sum())
-        for a, b in ((shifted, counted), (counted, shifted)):
-            if b and abs(factor - a / b) <= ctx.tol * factor:
-                return where, a, b
-    return None
-
-
-def _is_token_ratio(factor: float, ctx: Context) -> bool:
-    return _token_ratio(factor, ctx) is not None
-
-
-def _constant(factor: float, ctx: Context) -> str:
-    """A constant factor, named an unshifted token count when it is the batch's ratio of counts,
-    and a count of rows when it is a label tensor's tokens per row."""
-    found = _token_ratio(factor, ctx)
-    if found is not None:
-        return words.wrong_count(factor, *found)
-    for where, labels in label_tensors(ctx.job.batch):
-        for tokens in (int((labels != IGNORE_INDEX).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())):
-            if tokens != labels.shape[0] and abs(factor - tokens / labels.shape[0]) <= ctx.tol * factor:
-                return words.rows_count(factor, where, tokens, labels.shape[0])
-            if tokens > 1 and abs(factor - tokens) <= ctx.tol * factor:
-                return words.never_divided(f"{tokens} tokens of {where}")
-    rows = batch_size(ctx.job.batch)  # the probes' batch: the whole one, on one process
-    if rows > 1 and abs(factor - rows) <= ctx.tol * factor:
-        return words.never_divided(f"{rows} items of the batch")
-    for where, tensor in batch_tensors(ctx.job.batch):  # a mean over elements (MSE's), never taken
-        if tensor.numel() > 1 and abs(factor - tensor.numel()) <= ctx.tol * factor:
-            return words.never_divided(f"{tensor.numel()} elements of {where}")
-    return words.wrong_count(factor, None)
-
-
-def _evidence(h: Hypothesis, probes: list[Probe], ctx: Context, scale_hidden: bool = False) -> str:
-    """The sentence that says what the probes showed."""
-    ordered = sorted(probes, key=lambda p: (len(p.sizes), p.sizes))
-    ks = ", ".join(str(len(p.sizes)) for p in ordered)
-    splits = ", ".join("+".join(map(str, p.sizes)) for p in ordered)
-    rule = {"exact": "", "twice": " divided by k", "not divided": " times k",
-            "fixed": f" times k/{int(h.param)}", "constant": f" times {h.param:.4g}",
-            "clip each": ""}[h.family]
-    if h.base == "full":
-        said = f"the full batch's gradient{rule}"
-    elif h.base == "means":
-        said = f"the mean of the micro-batches' own mean gradients{rule}"
-    elif h.base == "items":
-        said = f"the micro-batches' own mean gradients weighted by their rows{rule}"
-    else:
-        kind, where = h.base.split(":", 1)
-        said = (f"the micro-batches' gradients weighted by {where}'s token counts "
-                f"{'before' if kind == 'count' else 'after'} the shift{rule}")
-    if h.family == "clip each":
-        of = "" if h.base == "full" else " of " + said
-        said = f"the running sum{of} clipped at {ctx.clip_norm:g} after every micro-batch"
-    if scale_hidden:
-        said = said.removesuffix(rule) + " at some scale"
-    clipped = "" if ctx.clip_norm is None or h.family == "clip each" else f", clipped at {ctx.clip_norm:g}"
-    return (f"the window gradient is {said}{clipped}, for k = {ks} micro-batches ({splits}), and no "
-            "other known mistake gives these gradients")
