@@ -18,9 +18,9 @@ from torch.nn.modules.dropout import _DropoutNd
 from gradaccum.testing import _words as words
 from gradaccum.testing._combination import Reading, l2_rule, read, readable, solve, support_rule
 from gradaccum.testing._evidence import Probe, close
-from gradaccum.testing._runs import Trace
+from gradaccum.testing._runs import Job, Trace
 
-__all__ = ["from_weights", "learning_rate", "mixing", "no_gradient", "reduced_twice"]
+__all__ = ["from_weights", "learning_rate", "mixing", "no_gradient", "reduced_twice", "start_vectors"]
 
 Said = tuple[str, str]
 
@@ -117,6 +117,18 @@ def from_weights(probes: list[Probe], trace: Trace, params: dict[str, torch.Tens
                 f"why: the window gradient is a weighting of the micro-batches' own gradients plus a "
                 f"multiple of the parameters {', '.join(tensors)} themselves: {held}")
     return None
+
+
+def start_vectors(job: Job) -> dict[str, torch.Tensor]:
+    """Each parameter's start value, placed in a flat vector of zeros (the parameters' order)."""
+    names = list(job.names)
+    sizes = [job.state[n].numel() for n in names]
+    out = {}
+    for i, n in enumerate(names):
+        vector = torch.zeros(sum(sizes), dtype=torch.float64)
+        vector[sum(sizes[:i]):sum(sizes[:i + 1])] = job.state[n].double().flatten()
+        out[n] = vector
+    return out
 
 
 def _mechanism(rule: str, trace: Trace) -> tuple[str, str]:

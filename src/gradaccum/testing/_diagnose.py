@@ -21,7 +21,7 @@ from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._naming import evidence, is_token_ratio, name, start_vectors
+from gradaccum.testing._naming import evidence, is_token_ratio, name
 from gradaccum.testing._probes import make_probes
 from gradaccum.testing._runs import Job, Trace, build
 
@@ -132,7 +132,7 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     probes = ctx.probes()
     mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
     if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
-        also = causes.from_weights(probes, c.traces[0], start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
+        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
         if also is None:
             return Finding(f"{head}: {mixed[0]}", mixed[1])
         return Finding(f"{head}: {mixed[0]}; and {also[0]}",
@@ -171,7 +171,7 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
         h = standing[0]
         return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
                        "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
-    read = causes.from_weights(probes, c.traces[0], start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
+    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
         if ctx.loss_fn else None
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])

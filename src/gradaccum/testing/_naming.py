@@ -4,27 +4,13 @@ says what the probes showed."""
 
 from __future__ import annotations
 
-import torch
-
 from gradaccum.testing import _words as words
 from gradaccum.testing._evidence import Hypothesis, Probe
 from gradaccum.testing._probes import IGNORE_INDEX, batch_tensors, label_tensors
 from gradaccum.testing._runs import Job
 from gradaccum.torch.memory.split import batch_size
 
-__all__ = ["evidence", "is_token_ratio", "name", "start_vectors"]
-
-
-def start_vectors(job: Job) -> dict[str, torch.Tensor]:
-    """Each parameter's start value, placed in a flat vector of zeros (the parameters' order)."""
-    names = list(job.names)
-    sizes = [job.state[n].numel() for n in names]
-    out = {}
-    for i, n in enumerate(names):
-        vector = torch.zeros(sum(sizes), dtype=torch.float64)
-        vector[sum(sizes[:i]):sum(sizes[:i + 1])] = job.state[n].double().flatten()
-        out[n] = vector
-    return out
+__all__ = ["evidence", "is_token_ratio", "name"]
 
 
 def name(h: Hypothesis, k: int, job: Job, tol: float) -> str:
