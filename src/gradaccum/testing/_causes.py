@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gradaccum.testing import _words as words
-from gradaccum.testing._combination import Reading, l2_rule, read, readable, solve, support_rule
+from gradaccum.testing._combination import Placed, Reading, l2_rule, read, readable, solve, support_rule
 from gradaccum.testing._evidence import Probe, close
 from gradaccum.testing._runs import Job, Trace
 
@@ -89,7 +89,7 @@ def mixing(probes: list[Probe], model: nn.Module, tol: float) -> Said | None:
                   f"{splits} (as it is for a model whose samples do not interact){loop}")
 
 
-def from_weights(probes: list[Probe], trace: Trace, params: dict[str, torch.Tensor], tol: float,
+def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
                  clip_norm: float | None = None) -> Said | None:
     """Which micro-batches reached the step, or an L2 term growing with k, read from the weights
     (over their sum where the gradient was clipped at ``clip_norm``)."""
@@ -119,15 +119,13 @@ def from_weights(probes: list[Probe], trace: Trace, params: dict[str, torch.Tens
     return None
 
 
-def start_vectors(job: Job) -> dict[str, torch.Tensor]:
-    """Each parameter's start value, placed in a flat vector of zeros (the parameters' order)."""
-    names = list(job.names)
-    sizes = [job.state[n].numel() for n in names]
-    out = {}
-    for i, n in enumerate(names):
-        vector = torch.zeros(sum(sizes), dtype=torch.float64)
-        vector[sum(sizes[:i]):sum(sizes[:i + 1])] = job.state[n].double().flatten()
-        out[n] = vector
+def start_vectors(job: Job) -> Placed:
+    """Each parameter's start values (float64, flat) and its offset in the flat gradient."""
+    out, offset = {}, 0
+    for n in job.names:
+        values = job.state[n].detach().double().flatten()
+        out[n] = (offset, values)
+        offset += values.numel()
     return out
 
 

@@ -22,8 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["L2_RULES", "SUPPORT_RULES", "Reading", "l2_rule", "read", "readable", "solve", "support_rule"]
+__all__ = ["L2_RULES", "SUPPORT_RULES", "Placed", "Reading", "l2_rule", "read", "readable", "solve",
+           "support_rule"]
 
+# The most entries the reading with the parameters builds (one row per parameter tensor besides the
+# micro-batches'): a model too large for it is read without an L2 term (16.7M float64: 128 MiB).
+MAX_ENTRIES = 2 ** 24
 # How clearly independent the columns must be (their smallest singular value over the largest,
 # each column scaled to norm 1) for the weights to be read at all.
 MIN_CONDITION = 1e-3
@@ -77,19 +81,31 @@ class Reading:
     top: float = 1.0
 
 
-def read(sizes: tuple[int, ...], seen: torch.Tensor, parts: torch.Tensor, params: dict[str, torch.Tensor],
-         tol: float, clip_norm: float | None = None) -> Reading | None:
+Placed = dict[str, tuple[int, torch.Tensor]]  # a parameter tensor: its offset in the flat vector, its values
+
+
+def _row(offset: int, values: torch.Tensor, length: int) -> torch.Tensor:
+    """``values`` at ``offset`` in a flat float64 vector of zeros."""
+    row = torch.zeros(length, dtype=torch.float64)
+    row[offset:offset + values.numel()] = values
+    return row
+
+
+def read(sizes: tuple[int, ...], seen: torch.Tensor, parts: torch.Tensor, params: Placed, tol: float,
+         clip_norm: float | None = None) -> Reading | None:
     """``seen`` as a weighting of ``parts`` (each micro-batch's own gradient), or of ``parts`` and
-    the parameters (``params``: each tensor's start value placed in a flat vector of zeros). Where
-    ``seen`` was clipped at ``clip_norm`` its scale is the clip's: the weights are then given over
-    their sum."""
+    the parameters (``params``: each tensor's start values and their offset in the flat vector).
+    Where ``seen`` was clipped at ``clip_norm`` its scale is the clip's: the weights are then given
+    over their sum."""
     coef = solve(parts, seen, tol)
     top = float(seen.abs().max()) if seen.numel() else 0.0
     decay: dict[str, float] = {}
     if coef is None:
-        names = [n for n, v in params.items() if float(v.abs().max()) > 0]
-        columns = torch.cat([parts, *(params[n][None] for n in names)])
-        both = solve(columns, seen, tol) if names else None
+        names = [n for n, (_, v) in params.items() if v.numel() and float(v.abs().max()) > 0]
+        if not names or (len(sizes) + len(names)) * seen.numel() > MAX_ENTRIES:
+            return None
+        rows = [_row(*params[n], seen.numel())[None] for n in names]
+        both = solve(torch.cat([parts, *rows]), seen, tol)
         if both is None:
             return None
         coef, decay = both[:len(sizes)], {n: float(both[len(sizes) + i]) for i, n in enumerate(names)}
@@ -143,7 +159,7 @@ L2_RULES: dict[str, Callable[[int], float]] = {"every": lambda k: k - 1.0, "ever
                                                "none in loss_fn": lambda k: 1.0}
 
 
-def l2_rule(readings: list[Reading], params: dict[str, torch.Tensor],
+def l2_rule(readings: list[Reading], params: Placed,
             tol: float) -> tuple[str, float, tuple[str, ...]] | None:
     """(rule, the multiple per unit of the rule, the tensors it holds) when every split's gradient
     holds the same multiple of the same parameters, growing with k as one rule of
@@ -153,7 +169,8 @@ def l2_rule(readings: list[Reading], params: dict[str, torch.Tensor],
     tensors: set[tuple[str, ...]] = set()
     amounts: list[tuple[int, float]] = []
     for r in readings:
-        held = {n: d for n, d in r.decay.items() if abs(d) * float(params[n].abs().max()) > 10 * tol * r.top}
+        held = {n: d for n, d in r.decay.items()
+                if abs(d) * float(params[n][1].abs().max()) > 10 * tol * r.top}
         values = list(held.values())
         if values and max(values) - min(values) > 100 * tol * max(abs(v) for v in values):
             return None  # unequal multiples: not one penalty
