@@ -193,8 +193,9 @@ def test_an_unshifted_count_as_n_items_of_a_mean_is_named_by_its_weighting():
         assert_accumulation_exact(step, token_model, (ids, labels), loss_fn=lm_mean)
 
 
-def test_a_weighting_by_sequences_is_not_named_a_token_count():
-    # n_items=len(batch): the number of sequences, which no label tensor's token count gives.
+def test_a_weighting_by_sequences_is_named_so_not_a_token_count():
+    # n_items=len(batch): the number of sequences, which no label tensor's token count gives; the
+    # 5+5+2 split tells it from a mean of micro-batch means (issue 34: it was only a candidate).
     def per_sequence(model, optimizer, micro_batches):
         acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
         for batch in micro_batches:
@@ -203,7 +204,10 @@ def test_a_weighting_by_sequences_is_not_named_a_token_count():
     with pytest.raises(AssertionError) as err:
         assert_accumulation_exact(per_sequence, token_model, padded_batch(), splits=(4, [5, 5, 2]),
                                   loss_fn=token_loss)
-    assert "not singled out by the evidence; the candidates: a per-micro-batch mean" in str(err.value)
+    lines = str(err.value).splitlines()
+    named = "counts sequences (rows) or padded positions where the loss averages tokens"
+    assert all(named in line for line in lines[1:3])
+    assert "weighted by their rows" in lines[3] and "not singled out" not in str(err.value)
     assert "an n_items that counts batch" not in str(err.value)
 
 

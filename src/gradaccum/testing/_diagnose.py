@@ -1,11 +1,15 @@
 """Why a split differs from the full batch, said only as far as the evidence goes.
 
 The first window that differs is read in this order: how often the optimizer stepped in it; whether
-the ranks parted; whether the optimizer saw the full batch's gradient (then the learning rate
-differs: a scheduler stepped per micro-batch); after a first window that agreed, whether the
-previous window's gradient was still in ``.grad``; in the first window, which hypothesis of
-:mod:`gradaccum.testing._evidence` gives the gradient on every split tried. A cause is named
-when one explanation stands; otherwise the words give the difference and list the candidates.
+it stepped on a zero gradient, or (on ranks) on gradients the step all-reduced itself
+(:mod:`gradaccum.testing._causes`); whether the ranks parted; whether the optimizer saw the full
+batch's gradient (then the learning rate differs: a scheduler stepped per micro-batch, a rate k
+times the full batch's); after a first window that agreed, whether the previous window's gradient
+was still in ``.grad``; in the first window, whether the full batch's gradient is a weighting of
+its micro-batches' own at all (else a layer mixes the samples), which hypothesis of
+:mod:`gradaccum.testing._evidence` gives the gradient on every split tried, and else what the
+micro-batches' weights show (:mod:`gradaccum.testing._combination`). A cause is named when one
+explanation stands; otherwise the words give the difference and list the candidates.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._probes import IGNORE_INDEX, label_tensors, make_probes
-from gradaccum.testing._runs import Job, Trace
+from gradaccum.testing._naming import evidence, is_token_ratio, name
+from gradaccum.testing._probes import make_probes
+from gradaccum.testing._runs import Job, Trace, build
 
 __all__ = ["Context", "Finding", "diagnose"]
 
@@ -45,7 +51,7 @@ class Context:
     def probes(self) -> list[Probe]:
         """The first-window probes (:func:`make_probes`), run on the first call."""
         if self._probes is None:
-            self._probes = make_probes(self.job, self.ref, self.known, self.loss_fn, self.clip_norm)
+            self._probes = make_probes(self.job, self.ref, self.known, self.loss_fn, self.clip_norm, self.tol)
         return self._probes
 
 
@@ -58,6 +64,14 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
             return Finding(words.NO_UPDATE, "")
         if len(trace.steps[v]) > 1:
             return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
+    names = list(ctx.job.names)
+    seen = flat(trace.steps[w][0].grads, names)
+    if len(ctx.ref.steps[w]) == 1:
+        unclipped = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names)
+        said = causes.no_gradient(trace, w, seen, unclipped) or (causes.reduced_twice(
+            trace, w, ctx.job.world, seen, unclipped, ctx.tol) if ctx.job.world > 1 else None)
+        if said is not None:
+            return Finding(f"{words.amount(c.ratio, c.cosine)}: {said[0]}", said[1])
     if c.apart is not None:
         return Finding(words.ranks_apart(c.apart), "")
     head = words.amount(c.ratio, c.cosine)
@@ -65,8 +79,7 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
         return _candidates(words.differs(c.ratio, c.cosine),
                            [f"the reference, your step on the whole batch as one micro-batch, stepped "
                             f"{len(ctx.ref.steps[w])} times in window {w + 1}: pass loss_fn"])
-    names = list(ctx.job.names)
-    seen, full = flat(trace.steps[w][0].grads, names), flat(ctx.ref.steps[w][0].grads, names)
+    full = flat(ctx.ref.steps[w][0].grads, names)
     if close(seen, full, ctx.tol):
         return _learning_rate(c, ctx, head)
     if w > 0:
@@ -101,6 +114,9 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
         return Finding(f"{head}: {words.scheduler(trace.scheduler_steps[odd], odd + 1, len(c.sizes))}",
                        f"why: the gradient is the full batch's; your step called scheduler.step() "
                        f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
+    rate = causes.learning_rate(ctx.probes(), ctx.ref.steps[0][0].lrs[0], len(c.sizes))
+    if rate is not None and mine[0] == theirs[0] * len(c.sizes) ** (1 if "multiplied" in rate[0] else -1):
+        return Finding(f"{head}: {rate[0]}", rate[1])
     if mine != theirs:
         return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient is the full batch's, {lrs}",
                            ["a scheduler stepped more or less often than once per optimizer step",
@@ -114,8 +130,20 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
 def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) -> Finding:
     k = len(c.sizes)
     probes = ctx.probes()
+    mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
+    if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
+        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
+        if also is None:
+            return Finding(f"{head}: {mixed[0]}", mixed[1])
+        return Finding(f"{head}: {mixed[0]}; and {also[0]}",
+                       f"{mixed[1]}; and {also[1].removeprefix('why: ')}")
     standing = explain(probes, ctx.clip_norm, ctx.tol) if probes else []
     if ctx.job.world > 1 and standing and standing[0] == Hypothesis("full", "exact"):
+        for times, summed in ((ctx.job.world, True), (1 / ctx.job.world, False)):
+            if close(seen, times * full, ctx.tol):
+                return Finding(f"{head}: {words.rank_scale(ctx.job.world, summed)}",
+                               "why: the same step on one process gives the full batch's gradient for "
+                               f"every split tried, and on the ranks {times:.4g}x it")
         return Finding(f"{head}: exact on one process, not on {ctx.job.world} ranks: a count or a "
                        "gradient taken per rank (pass model=ddp_model to the Accumulator, or sum the "
                        "counts over the ranks)",
@@ -130,17 +158,27 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     h = standing[0] if len(standing) == 1 and len({len(p.sizes) for p in probes}) > 1 else None
     # A constant factor below 1 is also what clipping the helper was not told of gives.
     hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
-        h is None or (h.family == "constant" and not _is_token_ratio(h.param, ctx)))
+        h is None or (h.family == "constant" and not is_token_ratio(h.param, ctx.job, ctx.tol)))
     if h is not None and not hidden_clip:
-        return Finding(f"{head}: {_name(h, k, ctx)}", "why: " + _evidence(h, probes, ctx))
+        why = "why: " + evidence(h, probes, ctx.clip_norm)
+        repeated = _repeated_backward(h, c.traces[0], k)
+        if repeated is not None:
+            return Finding(f"{head}: {words.backward_times(repeated)}",
+                           f"{why}; {repeated * k} backward passes in a window of {k} micro-batches")
+        return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}", why)
     weighting = {s.base for s in standing}
     if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
         h = standing[0]
-        return Finding(f"{head}: {_name(Hypothesis(h.base, 'exact'), k, ctx)} (its scale hidden by "
-                       "clipping)", "why: " + _evidence(h, probes, ctx, scale_hidden=True))
+        return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
+                       "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
+    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
+        if ctx.loss_fn else None
+    if read is not None:
+        return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
                        ctx.tol)
-    listed = [_name(h, k, ctx) for h in standing] or list(words.DIRECTION if turned else words.SCALE)
+    listed = [name(h, k, ctx.job, ctx.tol) for h in standing] or list(
+        words.DIRECTION if turned else words.SCALE)
     if hidden_clip and not turned:
         listed.append(f"clipping that the reference does not apply (pass clip_norm=; your step's "
                       f"gradient norm is {float(seen.norm()):.4g}, the full batch's "
@@ -150,61 +188,10 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     return _candidates(words.differs(c.ratio, c.cosine), listed)
 
 
-def _name(h: Hypothesis, k: int, ctx: Context) -> str:
-    """What hypothesis ``h`` is called for a window of ``k`` micro-batches."""
-    if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
-        return words.HIDDEN_SCALE
-    scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
-             "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
-             "constant": _constant(h.param, ctx)}[h.family]
-    if h.base == "full":
-        return scale
-    weighting = words.MEANS if h.base == "means" else words.count_weights(h.base)
-    return weighting + (f", and {scale}" if scale else "")
-
-
-def _token_ratio(factor: float, ctx: Context) -> tuple[str, int, int] | None:
-    """The label tensor whose token count after the shift over that before it (or the inverse)
-    is ``factor``: where it is, and the two counts."""
-    for where, labels in label_tensors(ctx.job.batch):
-        shifted = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        counted = int((labels != IGNORE_INDEX).sum())
-        for a, b in ((shifted, counted), (counted, shifted)):
-            if b and abs(factor - a / b) <= ctx.tol * factor:
-                return where, a, b
-    return None
-
-
-def _is_token_ratio(factor: float, ctx: Context) -> bool:
-    return _token_ratio(factor, ctx) is not None
-
-
-def _constant(factor: float, ctx: Context) -> str:
-    """A constant factor, named an unshifted token count when it is the batch's ratio of counts."""
-    found = _token_ratio(factor, ctx)
-    return words.wrong_count(factor, None) if found is None else words.wrong_count(factor, *found)
-
-
-def _evidence(h: Hypothesis, probes: list[Probe], ctx: Context, scale_hidden: bool = False) -> str:
-    """The sentence that says what the probes showed."""
-    ordered = sorted(probes, key=lambda p: (len(p.sizes), p.sizes))
-    ks = ", ".join(str(len(p.sizes)) for p in ordered)
-    splits = ", ".join("+".join(map(str, p.sizes)) for p in ordered)
-    rule = {"exact": "", "twice": " divided by k", "not divided": " times k",
-            "fixed": f" times k/{int(h.param)}", "constant": f" times {h.param:.4g}",
-            "clip each": ""}[h.family]
-    if h.family == "clip each":
-        said = f"the running sum clipped at {ctx.clip_norm:g} after every micro-batch"
-    elif h.base == "full":
-        said = f"the full batch's gradient{rule}"
-    elif h.base == "means":
-        said = f"the mean of the micro-batches' own mean gradients{rule}"
-    else:
-        kind, where = h.base.split(":", 1)
-        said = (f"the micro-batches' gradients weighted by {where}'s token counts "
-                f"{'before' if kind == 'count' else 'after'} the shift{rule}")
-    if scale_hidden:
-        said = said.removesuffix(rule) + " at some scale"
-    clipped = "" if ctx.clip_norm is None or h.family == "clip each" else f", clipped at {ctx.clip_norm:g}"
-    return (f"the window gradient is {said}{clipped}, for k = {ks} micro-batches ({splits}), and no "
-            "other known mistake gives these gradients")
+def _repeated_backward(h: Hypothesis, trace: Trace, k: int) -> int | None:
+    """m, when the gradient is m times the full batch's on every split and the window held m
+    backward passes per micro-batch (m >= 2)."""
+    m = round(h.param)
+    if h != Hypothesis("full", "constant", h.param) or m < 2 or abs(h.param - m) > 1e-6 * m:
+        return None
+    return m if trace.backwards and trace.backwards[0] == m * k else None

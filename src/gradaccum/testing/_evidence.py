@@ -1,8 +1,9 @@
 """Which known mistake explains a window's gradient: every hypothesis tried on several splits at once.
 
 A hypothesis is a weighting of the micro-batches (the full batch's, a mean of micro-batch means, a
-mean weighted by some count) times a scale rule (1, ``1/k``, ``k``, ``k/N``, a constant), clipped
-as the reference clips; or the running sum clipped on every micro-batch. It stands when it gives
+mean weighted by their rows or by some count) times a scale rule (1, ``1/k``, ``k``, ``k/N``, a
+constant), clipped as the reference clips; or a weighting's running sum clipped on every
+micro-batch. It stands when it gives
 the gradient the optimizer saw on every split tried (within a tolerance of the dtype's), and a
 cause is named only when one hypothesis stands; a weighting equal to a simpler one on every split
 (a mean of means over micro-batches of equal counts) is that one, not evidence. One ratio alone
@@ -12,7 +13,7 @@ never names a cause.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,17 +28,22 @@ class Probe:
         sizes: the micro-batch sizes.
         seen: the gradient the optimizer stepped on (flat, float64).
         bases: weightings of the micro-batches, before clipping: ``"full"`` (the full batch's
-            gradient), and with a ``loss_fn`` ``"means"`` (the mean of micro-batch means) and
-            ``"count:<where>"`` / ``"shifted:<where>"`` (a mean weighted by a label tensor's
-            count of tokens, before or after the shift).
-        clipped_each: the running sum of ``gradient_i / k`` clipped after every micro-batch
-            (with a ``loss_fn`` and a clip norm), or None.
+            gradient), and with a ``loss_fn`` ``"means"`` (the mean of micro-batch means),
+            ``"items"`` (a mean weighted by their rows) and ``"count:<where>"`` /
+            ``"shifted:<where>"`` (a mean weighted by a label tensor's count of tokens, before or
+            after the shift).
+        clipped_each: by weighting, its running sum clipped after every micro-batch (with a
+            ``loss_fn`` and a clip norm).
+        parts: each micro-batch's own gradient, one row each (with a ``loss_fn``), or None.
+        lrs: each parameter group's learning rate at the step.
     """
 
     sizes: tuple[int, ...]
     seen: torch.Tensor
     bases: dict[str, torch.Tensor]
-    clipped_each: torch.Tensor | None = None
+    clipped_each: dict[str, torch.Tensor] = field(default_factory=dict)
+    parts: torch.Tensor | None = None
+    lrs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,8 @@ def fits(h: Hypothesis, probe: Probe, clip_norm: float | None, tol: float) -> bo
     their norms then differ by clipping's ``1e-6`` alone, which is no evidence of a scale.
     """
     if h.family == "clip each":
-        return probe.clipped_each is not None and close(probe.seen, probe.clipped_each, tol)
+        each = probe.clipped_each.get(h.base)
+        return each is not None and close(probe.seen, each, tol)
     base = probe.bases.get(h.base)
     if base is None:
         return False
@@ -120,8 +127,8 @@ def _candidates(probes: list[Probe], clip_norm: float | None, tol: float) -> lis
             if c > 0 and not math.isclose(c, 1.0, rel_tol=tol):
                 out.append(Hypothesis(base, "constant", c))
             break
-    if all(p.clipped_each is not None for p in probes):
-        out.append(Hypothesis("full", "clip each"))
+    out += [Hypothesis(base, "clip each") for base in distinct_bases(probes, tol)
+            if all(base in p.clipped_each for p in probes)]
     return out
 
 

@@ -1,6 +1,6 @@
 """The evidence for a first window that differs: the step run on several splits of the batch (1 to
 4 micro-batches besides yours), each against every weighting of its micro-batches that a known
-mistake gives (computed with your ``loss_fn``)."""
+mistake gives, and the micro-batches' own gradients (computed with your ``loss_fn``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import flat
 from gradaccum.testing._evidence import Probe, clip
 from gradaccum.testing._runs import Job, Trace, build, grads_of, run_split
 from gradaccum.torch.memory.split import batch_size, split_batch
 
-__all__ = ["IGNORE_INDEX", "label_tensors", "make_probes", "probe_sizes"]
+__all__ = ["IGNORE_INDEX", "batch_tensors", "label_tensors", "make_probes", "probe_sizes"]
 
 IGNORE_INDEX = -100  # the label PyTorch's and Hugging Face's token losses skip
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -33,8 +34,8 @@ def probe_sizes(total: int, splits: list[tuple[int, ...]]) -> list[tuple[int, ..
     return out
 
 
-def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The batch's integer tensors with a sequence dimension (labels, token ids), by where they are."""
+def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The batch's tensors, by where they are (``batch[1]``, ``batch['labels']``)."""
     if isinstance(batch, torch.Tensor):
         items: list[tuple[str, Any]] = [("batch", batch)]
     elif isinstance(batch, dict):
@@ -43,12 +44,17 @@ def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
         items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
     else:
         items = []
-    return [(where, t) for where, t in items if isinstance(t, torch.Tensor) and t.dim() >= 2
+    return [(where, t) for where, t in items if isinstance(t, torch.Tensor)]
+
+
+def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The batch's integer tensors with a sequence dimension (labels, token ids), by where they are."""
+    return [(where, t) for where, t in batch_tensors(batch) if t.dim() >= 2
             and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)]
 
 
 def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_fn: LossFn | None,
-                clip_norm: float | None) -> list[Probe]:
+                clip_norm: float | None, tol: float = 1e-6) -> list[Probe]:
     """One :class:`Probe` per split the step stepped once on in its first window.
 
     Args:
@@ -57,6 +63,7 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
         known: first windows already run on one process, by split.
         loss_fn: gives the other weightings; without it only ``"full"`` is tried.
         clip_norm: the reference's clip norm.
+        tol: how close a weighting must come to the full batch's gradient to be its own.
     """
     if loss_fn is not None:
         full = flat(ref.pre_clip[0], list(job.names))
@@ -77,17 +84,20 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
         if len(trace.steps[0]) != 1:
             continue
         seen = flat(trace.steps[0][0].grads, list(job.names))
-        bases, each = {"full": full}, None
+        bases: dict[str, torch.Tensor] = {"full": full}
+        each: dict[str, torch.Tensor] = {}
+        parts = None
         if loss_fn is not None:
-            more, each = _weightings(job, loss_fn, sizes, clip_norm)
-            bases.update(more)
-        probes.append(Probe(sizes, seen, bases, each))
+            parts = _parts(job, loss_fn, sizes)
+            bases.update(_weightings(job, sizes, parts))
+            if clip_norm is not None:
+                each = _clipped_each(parts, _weights(job, sizes, parts, full, tol), clip_norm)
+        probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs))
     return probes
 
 
-def _weightings(job: Job, loss_fn: LossFn, sizes: tuple[int, ...],
-                clip_norm: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The micro-batches' gradients, weighted each way; and the sum clipped on every micro-batch."""
+def _parts(job: Job, loss_fn: LossFn, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Each micro-batch's own gradient (``loss_fn`` on it alone, from the start), one row each."""
     names = list(job.names)
     grads = []
     for micro in split_batch(job.batch, list(sizes)):
@@ -95,19 +105,44 @@ def _weightings(job: Job, loss_fn: LossFn, sizes: tuple[int, ...],
         model = build(job)
         torch.autograd.backward(loss_fn(model, micro))
         grads.append(flat(grads_of(model), names))
-    stacked = torch.stack(grads)
-    out = {"means": stacked.mean(0)}
+    return torch.stack(grads)
+
+
+def _weights(job: Job, sizes: tuple[int, ...], parts: torch.Tensor | None = None,
+             full: torch.Tensor | None = None, tol: float = 1e-6) -> dict[str, torch.Tensor]:
+    """The micro-batches' weights (summing to 1) of each weighting a known mistake gives: ``"means"``
+    (1/k each), ``"items"`` (by their rows), ``"count:<where>"`` and ``"shifted:<where>"`` (by a
+    label tensor's tokens before and after the shift, where it holds padding); with ``full``, the
+    ``"full"`` batch's own (read from its gradient when it is a weighting of ``parts``)."""
+    k = len(sizes)
+    out = {"means": torch.full((k,), 1.0 / k, dtype=torch.float64),
+           "items": torch.tensor(sizes, dtype=torch.float64) / sum(sizes)}
     for where, labels in label_tensors(job.batch):
         if not bool((labels == IGNORE_INDEX).any()):
             continue  # without padding a count is the rows' count times the length: no evidence of a shift
         for key, part in (("count", labels), ("shifted", labels[:, 1:])):
-            parts = torch.split(part, list(sizes))
-            counts = torch.stack([(c != IGNORE_INDEX).sum() for c in parts]).double()
+            counts = torch.stack([(c != IGNORE_INDEX).sum() for c in torch.split(part, list(sizes))]).double()
             if float(counts.sum()) > 0:
-                out[f"{key}:{where}"] = (counts[:, None] * stacked).sum(0) / counts.sum()
-    each = None
-    if clip_norm is not None:
-        each = torch.zeros_like(stacked[0])
-        for g in grads:
-            each = clip(each + g / len(grads), clip_norm)
-    return out, each
+                out[f"{key}:{where}"] = counts / counts.sum()
+    if full is not None and parts is not None:
+        found = solve(parts, full, tol)
+        if found is not None:
+            out["full"] = found
+    return out
+
+
+def _weightings(job: Job, sizes: tuple[int, ...], parts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The micro-batches' gradients, weighted each way."""
+    return {name: w @ parts for name, w in _weights(job, sizes).items()}
+
+
+def _clipped_each(parts: torch.Tensor, weights: dict[str, torch.Tensor],
+                  clip_norm: float) -> dict[str, torch.Tensor]:
+    """For each weighting, its running sum clipped after every micro-batch."""
+    out = {}
+    for name, w in weights.items():
+        each = torch.zeros_like(parts[0])
+        for weight, g in zip(w, parts, strict=True):
+            each = clip(each + weight * g, clip_norm)
+        out[name] = each
+    return out

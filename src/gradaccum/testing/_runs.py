@@ -1,19 +1,19 @@
 """The runs behind :mod:`gradaccum.testing`: a loop fed the same batch for W windows, each one
-recording what the optimizer saw at every step (the gradient, the learning rate), how often the
-scheduler stepped, and the clip norm of a gradaccum Accumulator that did the stepping."""
+recorded by :class:`gradaccum.testing._record.Recorder` (what the optimizer saw at every step, the
+scheduler's steps, the order of backward passes, ``zero_grad()`` calls and steps)."""
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradaccum.torch.accumulator import Accumulator
+from gradaccum.testing._record import Recorder, StepSeen, Trace, grads_of
 from gradaccum.torch.memory.split import batch_size, split_batch
 
 __all__ = ["Job", "StepSeen", "Trace", "build", "full_batch_reference", "grads_of", "halve_each_window",
@@ -46,38 +46,6 @@ class Job:
     names: tuple[str, ...] = ()  # the parameters, in order
 
 
-@dataclass(frozen=True)
-class StepSeen:
-    """One ``optimizer.step()``: each group's learning rate and each parameter's gradient."""
-
-    lrs: tuple[float, ...]
-    grads: dict[str, torch.Tensor]
-
-
-@dataclass
-class Trace:
-    """What one run of W windows did.
-
-    Attributes:
-        params: every parameter (float64) after each window.
-        steps: the optimizer steps taken in each window.
-        scheduler_steps: ``scheduler.step()`` calls in each window.
-        pre_clip: the reference's window gradient before clipping (the reference only).
-        clip_norm: the ``clip_norm`` of a gradaccum Accumulator that stepped (None: none did, or it
-            does not clip).
-        accumulator: an Accumulator stepped the optimizer.
-        error: what the step raised in a later window (the run stopped there; local runs only).
-    """
-
-    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    steps: list[list[StepSeen]] = field(default_factory=list)
-    scheduler_steps: list[int] = field(default_factory=list)
-    pre_clip: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    clip_norm: float | None = None
-    accumulator: bool = False
-    error: Exception | None = None
-
-
 def build(job: Job) -> nn.Module:
     """A fresh model with the job's starting weights."""
     model: nn.Module = job.model()
@@ -103,51 +71,6 @@ def _parts(job: Job, model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     return opt, sched
 
 
-def _stepping_accumulator() -> Accumulator | None:
-    """The gradaccum Accumulator on the call stack of this ``optimizer.step()``, if any.
-
-    Your step builds its Accumulator inside itself: the step it takes is the one moment the helper
-    can see it, to read its public ``clip_norm`` (the nearest frame that holds one is the caller).
-    """
-    frame = inspect.currentframe()
-    for _ in range(48):
-        if frame is None:
-            return None
-        found = next((v for v in frame.f_locals.values() if isinstance(v, Accumulator)), None)
-        if found is not None:
-            return found
-        frame = frame.f_back
-    return None
-
-
-class _Recorder:
-    """Hooks one run's optimizer and scheduler for the length of the run."""
-
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, trace: Trace) -> None:
-        self.model = model
-        self.trace = trace
-        self.handle = opt.register_step_pre_hook(self._seen)
-        step = sched.step
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.trace.scheduler_steps[-1] += 1
-            return step(*args, **kwargs)
-
-        sched.step = counted
-
-    def open_window(self) -> None:
-        self.trace.steps.append([])
-        self.trace.scheduler_steps.append(0)
-
-    def _seen(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        lrs = tuple(float(g["lr"]) for g in opt.param_groups)
-        self.trace.steps[-1].append(StepSeen(lrs, grads_of(self.model)))
-        acc = _stepping_accumulator()
-        if acc is not None:
-            self.trace.accumulator = True
-            self.trace.clip_norm = acc.clip_norm
-
-
 def run_windows(job: Job, model: nn.Module, micro_batches: list[Any], *, keep_error: bool) -> Trace:
     """``job.step`` over ``micro_batches`` once per window, on one model and optimizer.
 
@@ -157,30 +80,37 @@ def run_windows(job: Job, model: nn.Module, micro_batches: list[Any], *, keep_er
     """
     opt, sched = _parts(job, model)
     trace = Trace()
-    recorder = _Recorder(model, opt, sched, trace)
+    recorder = Recorder(model, opt, sched, trace)
     try:
-        for window in range(job.windows):
-            recorder.open_window()
-            try:
-                if job.takes_scheduler:
-                    job.step(model, opt, micro_batches, scheduler=sched)
-                else:
-                    job.step(model, opt, micro_batches)
-            except Exception as err:
-                if window == 0 or not keep_error:
-                    raise
-                trace.error = err
-                trace.steps.pop()
-                trace.scheduler_steps.pop()
-                break
-            if not job.takes_scheduler:
-                with warnings.catch_warnings():  # "scheduler before optimizer": the step's to tell
-                    warnings.simplefilter("ignore")
-                    sched.step()
-            trace.params.append(params_of(model))
+        with recorder.watching_all_reduce() if job.world > 1 else contextlib.nullcontext():
+            _windows(job, model, opt, sched, micro_batches, recorder, keep_error)
     finally:
-        recorder.handle.remove()
+        recorder.remove()
     return trace
+
+
+def _windows(job: Job, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, micro_batches: list[Any],
+             recorder: Recorder, keep_error: bool) -> None:
+    trace = recorder.trace
+    for window in range(job.windows):
+        recorder.open_window()
+        try:
+            if job.takes_scheduler:
+                job.step(model, opt, micro_batches, scheduler=sched)
+            else:
+                job.step(model, opt, micro_batches)
+        except Exception as err:
+            if window == 0 or not keep_error:
+                raise
+            trace.error = err
+            recorder.drop_window()
+            return
+        recorder.close_window()
+        if not job.takes_scheduler:
+            with warnings.catch_warnings():  # "scheduler before optimizer": the step's to tell
+                warnings.simplefilter("ignore")
+                sched.step()
+        trace.params.append(params_of(model))
 
 
 def full_batch_reference(job: Job, loss_fn: LossFn | None, clip_norm: float | None) -> Trace:
@@ -207,13 +137,6 @@ def full_batch_reference(job: Job, loss_fn: LossFn | None, clip_norm: float | No
     trace = run_windows(_with_step(job, plain, takes_scheduler=False), model, [job.batch], keep_error=False)
     trace.pre_clip = pre_clip
     return trace
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, float64, by name (zeros for None; DDP's module unwrapped)."""
-    inner = getattr(model, "module", model)
-    return {n: (p.grad.detach().double().clone() if p.grad is not None
-                else torch.zeros_like(p, dtype=torch.float64)) for n, p in inner.named_parameters()}
 
 
 def _with_step(job: Job, step: StepFn, *, takes_scheduler: bool | None = None) -> Job:

@@ -4,9 +4,10 @@ so that a diagnosis and a list of candidates say the same thing the same way."""
 from __future__ import annotations
 
 __all__ = [
-    "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "SCALE", "STALE",
-    "amount", "count_weights", "differs", "fixed_n", "many_steps", "not_divided", "ranks_apart",
-    "scheduler", "twice", "wrong_count",
+    "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "ROWS", "SCALE",
+    "STALE", "SUPPORT", "amount", "backward_times", "count_weights", "differs", "fixed_n", "l2_penalty",
+    "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
+    "rank_scale", "ranks_apart", "reduced_twice", "rows_count", "scheduler", "twice", "wrong_count",
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -18,6 +19,25 @@ LAYERS = ("a layer that mixes samples or draws random numbers (gradaccum.check_e
 HIDDEN_SCALE = ("a gradient at another scale, which clipping hides (its direction is the full "
                 "batch's on every split)")
 CLIP_EACH = "clipped on every micro-batch: clip once per window, after the last backward"
+ROWS = ("an n_items (or weight) that counts sequences (rows) or padded positions where the loss "
+        "averages tokens: weight each micro-batch by its tokens (n_items=count_tokens(labels))")
+# Which micro-batches' gradients reached the step (the rules of _combination.SUPPORT_RULES), by how
+# the step's backward passes and zero_grad() calls went.
+SUPPORT = {
+    ("last", "zero_grad"): "only the last micro-batch's gradient reached the step: zero_grad() runs "
+                           "before every micro-batch's backward (call it once per window, after step())",
+    ("last", "once"): "only the last micro-batch's gradient reached the step: backward() runs once, on "
+                      "the last micro-batch's loss (a loss overwritten in the loop: call backward() on "
+                      "each micro-batch's loss)",
+    ("last", ""): "only the last micro-batch's gradient reached the step: each micro-batch's gradient "
+                  "is cleared before the next (.grad zeroed or set to None inside the loop)",
+    ("smaller dropped", ""): "the smaller micro-batches were dropped: only the larger ones reached the "
+                             "step (keep every micro-batch, a short last one too, weighted by its items)",
+    ("first", ""): "only the first micro-batch's gradient reached the step (the loop stops after it, "
+                   "or the later ones are cleared)",
+    ("all but last", ""): "the last micro-batch's gradient never reached the step (a loop over the "
+                          "micro-batches that stops one short)",
+}
 COUNT_SHIFT = ("an n_items that counts {where}'s tokens before the shift, where the loss averages "
                "those after it (count_tokens(labels, shift=True))")
 COUNT_NO_SHIFT = ("an n_items that counts {where}'s tokens after a shift the loss does not make "
@@ -80,6 +100,25 @@ def wrong_count(factor: float, where: str | None, shifted: int = 0, counted: int
             f"tokens of {where} and is divided by {counted}")
 
 
+def backward_times(m: int) -> str:
+    """Each micro-batch's loss went through backward() ``m`` times."""
+    return (f"backward() runs {m} times on each micro-batch's loss: its gradient is added {m} times "
+            "(call it once per micro-batch)")
+
+
+def never_divided(what: str) -> str:
+    """A summed loss never divided by its count (``what``: ``46 tokens of batch[1]``)."""
+    return (f"a loss summed over the {what} and never divided by them (divide by the window's count: "
+            "n_items=... with reduction='sum', or a mean loss)")
+
+
+def rows_count(factor: float, where: str, tokens: int, rows: int) -> str:
+    """A summed loss divided by the number of sequences where the reference averages tokens."""
+    return (f"a loss summed over the {tokens} tokens of {where} and divided by its {rows} sequences "
+            f"(rows), not its tokens ({factor:.4g}x whatever the split): n_items counts sequences "
+            "(n_items=count_tokens(labels))")
+
+
 def count_weights(base: str) -> str:
     """A mean weighted by the wrong token count (``base``: ``count:<where>`` or ``shifted:<where>``)."""
     kind, where = base.split(":", 1)
@@ -101,3 +140,62 @@ def ranks_apart(apart: float) -> str:
     """The ranks' parameters parted."""
     return (f"the ranks ended {apart:.1e} apart: each rank stepped on its own gradient or count "
             "(pass model=ddp_model to the Accumulator)")
+
+
+def no_gradient(how: str) -> str:
+    """The optimizer stepped on a zero gradient: ``how`` is ``"zero_grad"`` (a zero_grad() between
+    the last backward and the step), ``"none"`` (no backward reached the parameters) or ``""``."""
+    why = {"zero_grad": "zero_grad() runs before step() (call it after step(), or before the "
+                        "window's first backward)",
+           "none": "no backward() reached the parameters in the window (call backward() on each "
+                   "micro-batch's loss)",
+           "": "the gradients were cleared between the last backward() and step() (.grad zeroed or "
+               "set to None before the step)"}[how]
+    return f"the step applied no gradient: {why}"
+
+
+def learning_rate(rule: str, k: int) -> str:
+    """The learning rate at the step scaled by the window's micro-batches (``rule``: times or over)."""
+    how = "multiplied" if rule == "times" else "divided"
+    return (f"the learning rate {how} by the {k} micro-batches: accumulation already gives the full "
+            "batch's gradient, so keep the full batch's learning rate (the window is that batch)")
+
+
+def l2_penalty(rule: str) -> str:
+    """An L2 term held another number of times than the reference's (the rules of
+    _combination.L2_RULES)."""
+    return {"every": "an L2 penalty added on every micro-batch's loss: the window holds it k times, "
+                     "the full batch once (add it once per window, or use the optimizer's weight_decay)",
+            "every, none in loss_fn": "an L2 penalty added on every micro-batch's loss, which loss_fn "
+                                      "does not hold (add it once per window, and in loss_fn too)",
+            "none in loss_fn": "an L2 penalty your step adds once per window and loss_fn does not "
+                               "hold (put it in loss_fn, so that the reference is your objective)"}[rule]
+
+
+def mixing_layer(kind: str, name: str) -> str:
+    """A layer that makes the micro-batches' gradients differ from the full batch's, and the fix."""
+    if "BatchNorm" in kind:
+        return (f"{kind} ('{name}') normalizes each micro-batch with its own mean and variance in "
+                "training: no loop over micro-batches gives the full batch's gradient (window "
+                "BatchNorm, GroupNorm or frozen statistics: docs/BATCHNORM.md)")
+    if "Dropout" in kind:
+        return (f"{kind} ('{name}') draws other masks for the micro-batches than for the full batch: "
+                "set p=0 or eval mode to test the loop")
+    return LAYERS
+
+
+def rank_scale(world: int, summed: bool) -> str:
+    """Exact on one process, ``world`` times (or ``1/world`` of) the full batch's on the ranks."""
+    if summed:
+        return (f"exact on one process, {world}x on {world} ranks: the gradients summed over the ranks, "
+                "not averaged (DistributedDataParallel already averages them: remove an "
+                "all_reduce(SUM) of your own, or a loss multiplied by the world size)")
+    return (f"exact on one process, 1/{world} of it on {world} ranks: the gradients divided by the "
+            "world size on top of DistributedDataParallel's average (remove the division: DDP "
+            "already averages)")
+
+
+def reduced_twice(world: int) -> str:
+    """A manual all_reduce(SUM) of the gradients under DDP."""
+    return (f"an all_reduce(SUM) of the gradients on top of DistributedDataParallel's average: "
+            f"{world}x on every rank (remove the all_reduce: DDP already averages the gradients)")
