@@ -314,8 +314,10 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
             self.grad_norm = out.grad_norm
         if out.no_grads and not self._warned_no_grad:
             self._warned_no_grad = True
-            warnings.warn("no parameter of the optimizer received a gradient in this window: does the "
-                          "loss come from another model, or a detached graph?", stacklevel=5)
+            warnings.warn("no parameter of the optimizer received a gradient in this window (a loss from "
+                          "another model, or a detached graph?): build the optimizer over the parameters "
+                          "the loss is computed from, SGD(model.parameters()), and do not detach the "
+                          "model's output", stacklevel=5)
         if not out.stepped:
             self.skipped_windows += 1
             return
