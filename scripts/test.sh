@@ -8,4 +8,4 @@ bash scripts/setup.sh dev,demo,mindspore,bench
 .venv/bin/python -m pytest "$@"
 .venv/bin/ruff check src tests
 .venv/bin/mypy
-.venv/bin/mkdocs build --strict -q
+.venv/bin/mkdocs build --strict

@@ -1,9 +1,11 @@
 """Every ```python block of README.md and docs/**/*.md runs (the convention: docs/TESTING.md,
 "The code on these pages runs").
 
-Pages are found by glob, so a new page is covered the day it is written. Each page runs in a
-fresh namespace, in a temporary working folder, its blocks in order (a block may use what an
-earlier block of the page defined). A block is, by what is written beside it in the page:
+Pages are found by glob, so a new page is covered the day it is written. A page's blocks run in
+order, each in a fresh namespace and a fresh working folder that holds the page's files, so
+that a block copied alone runs as the page says: it may use what an earlier block defined or
+saved only where its first line says so, ``# continues the block above`` (it then runs in that
+block's namespace and folder). A block is, by what is written beside it in the page:
 
 * run as printed, or after its hidden glue: an HTML comment ``<!-- setup: ... -->`` right above
   it holding Python that defines what the prose assumes (``model``, ``loader``, small sizes);
@@ -36,6 +38,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.S | re.M)
 COMMENT_ABOVE = re.compile(r"<!--(?P<body>(?:(?!<!--).)*?)-->\s*\Z", re.S)
 NEEDS = re.compile(r"\A# needs: (?P<kind>\w+)\b(?P<why>.*)\n")
+CONTINUES = re.compile(r"\A# continues the block above\b")
 # The optional frameworks a page may use: without one installed, its page is skipped (and listed).
 EXTRAS = {"mindspore", "transformers", "accelerate", "pytorch_lightning", "lightning"}
 # What a `# needs:` kind waits for, and whether this machine has it.
@@ -63,6 +66,11 @@ class Block:
     def needs(self):
         found = NEEDS.match(self.code)
         return found and (found["kind"], found["why"].strip())
+
+    @property
+    def continues(self):
+        """Its first line says it uses what the page's previous block defined or saved."""
+        return bool(CONTINUES.match(self.code))
 
     @property
     def kind(self):
@@ -153,23 +161,36 @@ def page_folder(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
-def run_page(blocks, folder, monkeypatch):
-    """Run a page's blocks in order in one namespace, in ``folder``."""
-    # The page's namespace is a module's, registered while it runs: a compiler that looks a
-    # function's globals up through its module (MindSpore's @ms.jit) finds them.
+def fresh_namespace(monkeypatch):
+    """A new namespace: a module's, registered while it runs, so that a compiler that looks a
+    function's globals up through its module (MindSpore's @ms.jit) finds them."""
     module = types.ModuleType("doc_page")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    namespace = module.__dict__
+    return module.__dict__
+
+
+def run_page(blocks, folder, monkeypatch):
+    """Run a page's blocks in order: each in a fresh namespace and working folder (which holds
+    the page's files so far), unless it continues the block above. ``folder`` is importable."""
+    namespace, files = None, {}
     for block in blocks:
         if block.kind == "recipe" or (block.kind == "needs" and not KINDS[block.needs[0]]()):
             continue
         if block.kind == "file":  # written, then imported: it runs as printed
             path = folder / block.markers["file"]
             path.write_text(block.code)
+            files[path.name] = block.code
             if path.suffix == ".py":
                 with contextlib.redirect_stdout(io.StringIO()):
                     importlib.import_module(path.stem)
             continue
+        if namespace is None or not block.continues:
+            namespace = fresh_namespace(monkeypatch)
+            here = folder / f"block_{block.line}"
+            here.mkdir()
+            for name, text in files.items():
+                (here / name).write_text(text)
+            monkeypatch.chdir(here)
         run_block(block, namespace)
 
 
@@ -235,6 +256,7 @@ print(x * 21)
 
 <!-- raises: ZeroDivisionError -->
 ```python
+# continues the block above
 x / 0
 # ZeroDivisionError: {message}
 ```
@@ -262,3 +284,41 @@ def test_glue_counts_only_right_above_its_block(page_folder, monkeypatch):
     assert blocks[0].kind == "printed"
     with pytest.raises(NameError):
         run_page(blocks, page_folder, monkeypatch)
+
+
+UNDECLARED = """
+```python
+x = 2
+open("saved.txt", "w").write("saved")
+```
+
+```python
+{first_line}
+{uses}
+```
+"""
+
+
+@pytest.mark.parametrize("uses, error", [("print(x)", NameError),
+                                         ("open('saved.txt').read()", FileNotFoundError)])
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_block_uses_what_an_earlier_block_made_only_where_it_says_so(uses, error, declared, page_folder,
+                                                                     monkeypatch):
+    # Copied alone, a block that relies on an earlier one fails: the test runs it so, unless its
+    # first line says that it continues the block above (a name defined there, a file saved).
+    first_line = "# continues the block above" if declared else "# the second block"
+    blocks = blocks_of(UNDECLARED.format(first_line=first_line, uses=uses), "p.md")
+    assert [b.continues for b in blocks] == [False, declared]
+    if declared:
+        run_page(blocks, page_folder, monkeypatch)
+    else:
+        with pytest.raises(error):
+            run_page(blocks, page_folder, monkeypatch)
+
+
+def test_a_file_block_is_in_every_later_blocks_folder(page_folder, monkeypatch):
+    page = ("<!-- file: notes.txt -->\n```python\nhello\n```\n\n"
+            "```python\nassert open('notes.txt').read() == 'hello\\n'\n```\n")
+    blocks = blocks_of(page, "p.md")
+    assert [b.kind for b in blocks] == ["file", "printed"]
+    run_page(blocks, page_folder, monkeypatch)

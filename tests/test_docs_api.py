@@ -1,5 +1,6 @@
 """The package's conventions: it ships ``py.typed``, and the API reference (docs/api, built by
-``mkdocs build --strict`` in scripts/test.sh) documents every public name.
+``mkdocs build --strict`` in scripts/test.sh, where a warning fails the build) documents every
+public name.
 
 "Every public name" is found, not listed: the test walks the package (statically, with griffe,
 the reader mkdocstrings itself uses), takes the ``__all__`` of every public module and every
@@ -22,6 +23,7 @@ another path of the same object: ``gradaccum.torch.Accumulator`` is documented a
 
 import importlib
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +50,24 @@ def package():
                        resolve_external=False)
 
 
+# The docs check, as scripts/test.sh runs it. Not ``-q``: mkdocs counts the warnings that fail a
+# strict build from what it logs, and ``-q`` logs errors only (a build with warnings exits 0).
+DOCS_CHECK = ("mkdocs", "build", "--strict")
+
+
+def docs_check(root, site):
+    """Build the site of the checkout at ``root`` into ``site`` as the docs check does."""
+    return subprocess.run([sys.executable, "-m", *DOCS_CHECK, "-d", str(site)], cwd=root,
+                          capture_output=True, text=True)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """What the built site documents: (objects.inv's anchors, the Attributes tables' rows)."""
     site = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
-                   cwd=ROOT, check=True, capture_output=True)
+    built = docs_check(ROOT, site)
+    warnings = [line for line in built.stderr.splitlines() if "WARNING" in line]
+    assert built.returncode == 0 and not warnings, built.stderr
     with open(site / "objects.inv", "rb") as f:
         inventory = mkdocstrings.Inventory.parse_sphinx(f)
     anchors = {item.uri.partition("#")[2] for item in inventory.values() if item.domain == "py"}
@@ -192,3 +206,28 @@ def test_every_api_page_is_in_the_mkdocs_nav():
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert {p for p in pages if p not in nav} == set()
+
+
+def test_scripts_test_sh_runs_the_docs_check():
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    builds = [line.split() for line in script.splitlines() if "mkdocs" in line and not line.startswith("#")]
+    assert [b[1:] for b in builds] == [list(DOCS_CHECK[1:])], builds
+    assert builds[0][0].endswith("/mkdocs")
+
+
+def test_a_docstring_warning_fails_the_docs_check(tmp_path):
+    # In a copy of what the build reads: lr_scale's docstring names a parameter it does not have,
+    # which griffe reports as a warning (the kind of mistake that once passed, hidden by -q).
+    for part in ("mkdocs.yml", "docs", "src", "scripts/griffe_sphinx_roles.py"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
+        (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
+        copy(ROOT / part, tmp_path / part, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                               if copy is shutil.copytree else {}))
+    planted = tmp_path / "src" / "gradaccum" / "core" / "plan.py"
+    text = planted.read_text()
+    anchor = "        base_lr: the learning rate that works at ``base_batch``.\n"
+    assert text.count(anchor) == 1
+    planted.write_text(text.replace(anchor, anchor + "        momentum: not a parameter of lr_scale.\n"))
+    built = docs_check(tmp_path, tmp_path / "site")
+    assert built.returncode != 0, built.stderr
+    assert re.search(r"WARNING .*core/plan\.py:\d+: .*'momentum'", built.stderr), built.stderr

@@ -59,8 +59,8 @@ def _env(tmp_path):
     return {**env, "PIP_CONFIG_FILE": os.devnull, "GRADACCUM_DATA": str(tmp_path / "cache")}
 
 
-def _run(argv, tmp_path, check=True):
-    out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path),
+def _run(argv, tmp_path, check=True, cwd=None):
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=cwd or tmp_path, env=_env(tmp_path),
                          timeout=300)
     if check and out.returncode != 0:
         raise AssertionError(f"{argv} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
@@ -130,3 +130,14 @@ def test_the_installed_command_runs_and_asks_for_the_data(installed, tmp_path):
     assert _run([gradaccum_cmd, "data", "mnist", "--mirror", mirror], tmp_path).stdout.count("md5 ok") == 4
     out = _run([gradaccum_cmd, "train"], tmp_path, check=False)  # data found; the demo extra is next
     assert out.returncode == 2 and "pip install 'gradaccum[demo]'" in out.stderr
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_run_in_the_checkout_reads_its_data(installed, tmp_path):
+    # README's install block run line by line: the wheel over the editable install. Run in the
+    # checkout (its root or a folder below), the demo finds the checkout's data/mnist.
+    _, python, site = installed
+    for cwd in (ROOT, ROOT / "docs"):
+        out = _run([str(python), "-c", "import gradaccum; from gradaccum.demos.data_dirs import find_mnist; "
+                    "print(gradaccum.__file__); print(find_mnist())"], tmp_path, cwd=cwd).stdout.split()
+        assert Path(out[0]).is_relative_to(site) and Path(out[1]) == ROOT / "data" / "mnist"

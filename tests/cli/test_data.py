@@ -63,9 +63,11 @@ def mirror(tmp_path):
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty user cache (GRADACCUM_DATA) and no checkout: what a wheel install sees."""
+    """An empty user cache (GRADACCUM_DATA) and no checkout: what a wheel install run outside a
+    checkout sees."""
     monkeypatch.setenv("GRADACCUM_DATA", str(tmp_path / "cache"))
     monkeypatch.setattr(data_dirs, "checkout_mnist_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)
     return tmp_path / "cache"
 
 
@@ -174,3 +176,15 @@ def test_without_data_a_command_says_how_to_get_it(argv, cache, capsys):
 def test_data_names_the_folder_to_read(option, tmp_path, cache, capsys):
     code, err = run(["train", option, str(tmp_path), "--epochs", "1"], capsys)
     assert code == 2 and f"train-images-idx3-ubyte.gz not found in {tmp_path}" in err
+
+
+def test_offline_the_error_names_each_mirror_and_the_data_option(cache, capsys):
+    # No internet: every mirror refuses the connection (a closed port on 127.0.0.1 stands in).
+    code, err = run(["data", "mnist", "--mirror", "http://127.0.0.1:9/a/", "--mirror", "http://127.0.0.1:9/b/"],
+                    capsys)
+    assert code == 1
+    (line,) = err.strip().splitlines()
+    assert line.startswith("gradaccum data: error: train-images-idx3-ubyte.gz: no mirror gave a good copy")
+    assert "127.0.0.1:9/a/" in line and "127.0.0.1:9/b/" in line  # each mirror's failure
+    assert "pass --data DIR to train, compare and bench" in line
+    assert not cache.exists()

@@ -1,4 +1,5 @@
-"""Where the demo finds MNIST: the folder named, else the checkout's data/mnist, else the cache."""
+"""Where the demo finds MNIST: the folder named, else the checkout's data/mnist (the package's, then the
+one the command runs in), else the cache."""
 
 import pytest
 
@@ -9,6 +10,7 @@ from gradaccum.demos.data_dirs import (
     checkout_mnist_dir,
     find_mnist,
     mnist_cache_dir,
+    working_checkout_mnist_dir,
 )
 
 CHECKOUT = checkout_mnist_dir()
@@ -23,9 +25,11 @@ def _copy_of_mnist(folder):
 
 
 @pytest.fixture
-def no_checkout(monkeypatch):
-    """Run as an installed wheel does: no checkout beside the package."""
+def no_checkout(monkeypatch, tmp_path):
+    """Run as an installed wheel does: no checkout beside the package, and run outside one."""
     monkeypatch.setattr(data_dirs, "checkout_mnist_dir", lambda: None)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
 
 
 def test_the_tests_run_from_a_checkout_that_holds_mnist():
@@ -95,3 +99,23 @@ def test_a_checkout_is_src_beside_pyproject(monkeypatch, tmp_path, layout, found
     (tmp_path / "root" / "data" / "mnist").mkdir(parents=True)
     monkeypatch.setattr(data_dirs, "__file__", str(module))
     assert checkout_mnist_dir() == (tmp_path / "root" / "data" / "mnist" if found else None)
+
+
+@pytest.mark.parametrize("where", [".", "src/gradaccum", "data"])
+def test_the_wheel_run_in_the_checkout_reads_its_data(monkeypatch, tmp_path, where):
+    # README's install block run line by line puts the wheel over the editable install: the
+    # package then lives in site-packages, and the checkout around the command still counts.
+    monkeypatch.setattr(data_dirs, "checkout_mnist_dir", lambda: None)
+    monkeypatch.setenv("GRADACCUM_DATA", str(tmp_path))  # an empty cache
+    root = CHECKOUT.parents[1]
+    monkeypatch.chdir(root / where)
+    assert find_mnist() == CHECKOUT
+
+
+def test_another_projects_data_mnist_is_not_a_checkout(tmp_path):
+    project = tmp_path / "other"
+    _copy_of_mnist(project / "data" / "mnist")
+    (project / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert working_checkout_mnist_dir(project) is None
+    (project / "pyproject.toml").write_text('[project]\nname = "gradaccum"\n')
+    assert working_checkout_mnist_dir(project / "data") == project / "data" / "mnist"

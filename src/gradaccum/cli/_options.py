@@ -193,8 +193,8 @@ def add_data_argument(parser: argparse.ArgumentParser) -> argparse.Action:
     MNIST."""
     return parser.add_argument(
         "--data", "--data-dir", dest="data_dir", type=Path, default=None, metavar="DIR",
-        help="a folder with the four MNIST .gz files (default: the checkout's data/mnist, else "
-             "the cache that `gradaccum data mnist` fills)")
+        help="a folder with the four MNIST .gz files (default: the data/mnist of the checkout "
+             "gradaccum runs from or in, else the cache that `gradaccum data mnist` fills)")
 
 
 def mnist_dir(data_dir: Path | None) -> Path:

@@ -3,8 +3,9 @@
 The wheel carries no data. ``train``, ``compare`` and ``bench`` read MNIST from ``--data DIR``,
 the checkout's ``data/mnist`` or the cache this command fills (see
 :mod:`gradaccum.demos.data_dirs`). Exit codes: 0 the four files are there (downloaded or already
-present), 1 a file no mirror gave a good copy of (nothing left behind), 2 bad usage (a folder
-that cannot be written).
+present), 1 a file no mirror gave a good copy of (nothing left behind; the line names each
+mirror's failure and ``--data DIR``, the way without internet), 2 bad usage (a folder that
+cannot be written).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         fetched = download_mnist(dest, args.mirror or MIRRORS)
     except DownloadError as err:
-        raise CommandError(f"{err}; nothing was written to {dest}") from None
+        raise CommandError(f"{err}; nothing was written to {dest}. Without internet, copy the four "
+                           "files (a checkout's data/mnist holds them) into a folder DIR and pass "
+                           "--data DIR to train, compare and bench") from None
     except OSError as err:
         raise UsageError(f"{option} {dest} is not a writable folder ({err.strerror or err})") from None
     where = ("gradaccum train, compare and bench find it there" if args.dir is None

@@ -67,10 +67,12 @@ def check_state_record(state: Any, steps: Any, signature: Sequence[Any],
         >>> check_state_record({**ok, "optimizer_steps": -5}, 2, [[[3], "f32"]])
         Traceback (most recent call last):
         ...
-        ValueError: state['optimizer_steps'] must be a non-negative integer, got -5
+        ValueError: state['optimizer_steps'] must be a non-negative integer, got -5: the state is damaged
+        or not an accumulator's; load the dict that state_dict() returned, unedited
     """
     if not isinstance(state, Mapping) or "grads" not in state or "window" not in state:
-        raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}")
+        raise TypeError(f"state must be a dict from Accumulator.state_dict(), got {type(state).__name__}: "
+                        "pass the dict that state_dict() returned")
     check_record_keys(state, ("version", "steps", "param_signature", *counters))
     if state["version"] != FORMAT_VERSION:
         raise ValueError(f"state has format version {state['version']!r}, expected {FORMAT_VERSION}")
@@ -106,7 +108,8 @@ def window_from_record(w: Any) -> Window:
     micro = check_nonneg_int("state['window']['micro_step']", w["micro_step"])
     if micro >= size:
         raise ValueError(f"state['window']['micro_step'] must be in [0, {size}) for a window of "
-                         f"{size}, got {micro}")
+                         f"{size}, got {micro}: the state is damaged; load the dict that state_dict() "
+                         "returned, unedited")
     weighting = w["weighting"]
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"state['window']['weighting'] must be None, 'mean' or 'items', got {weighting!r}")
@@ -174,7 +177,8 @@ def _check_signature(saved: Any, ours: Sequence[Any]) -> None:
         where = "" if len(saved) != len(ours) else (
             f"; first difference at parameter {_first_difference(saved, ours)}")
         raise ValueError(
-            f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}")
+            f"state was saved for other parameters: {len(saved)} saved, {len(ours)} here{where}: load it "
+            "into an accumulator whose optimizer holds the saved model's parameters, in the same order")
 
 
 def nonneg_finite(x: Real | float) -> bool:

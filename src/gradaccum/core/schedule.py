@@ -16,12 +16,15 @@ import bisect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from gradaccum.core.validate import check_nonneg_int, check_positive_int
+from gradaccum.core.validate import check_nonneg_int, check_positive_int, int_example
 
 __all__ = ["Schedule", "as_schedule", "parse_schedule"]
 
 ScheduleUnit = Literal["optimizer_step", "epoch"]
 StepsSpec = int | Mapping[int, int] | Callable[[int], int]
+
+_A_SCHEDULE = "steps={0: 4, 100: 2}"  # what the messages show as a schedule
+_WRITTEN = "write it like '4' or '0:4,2:2'"  # and as a schedule on a command line
 
 
 class Schedule:
@@ -48,7 +51,8 @@ class Schedule:
 
     def __init__(self, spec: StepsSpec, *, by: ScheduleUnit = "optimizer_step") -> None:
         if by not in ("optimizer_step", "epoch"):
-            raise ValueError(f"by must be 'optimizer_step' or 'epoch', got {by!r}")
+            raise ValueError(f"by must be 'optimizer_step' or 'epoch', got {by!r}: pass by='epoch' for a "
+                             "schedule over epochs, or leave the default")
         self.by: ScheduleUnit = by
         self._const: int | None = None
         self._starts: list[int] = []
@@ -59,14 +63,18 @@ class Schedule:
         elif callable(spec):
             self._fn = spec
         else:
-            self._const = check_positive_int("steps", spec)
+            self._const = check_positive_int("steps", spec, fix=(
+                f"pass the micro-batches per window as an int such as steps={int_example(spec, 1, 4)}, "
+                f"or a schedule such as {_A_SCHEDULE}"))
 
     def _set_mapping(self, spec: Mapping[Any, Any]) -> None:
         if not spec:
-            raise ValueError("steps must not be an empty mapping")
-        items = sorted((check_nonneg_int("steps key", k), v) for k, v in spec.items())
+            raise ValueError(f"steps must not be an empty mapping: give at least one start, e.g. "
+                             f"{_A_SCHEDULE}")
+        fix = f"key each window size (an int >= 1) by the int >= 0 it starts at, e.g. {_A_SCHEDULE}"
+        items = sorted((check_nonneg_int("steps key", k, fix=fix), v) for k, v in spec.items())
         self._starts = [k for k, _ in items]
-        self._sizes = [check_positive_int(f"steps[{k}]", v) for k, v in items]
+        self._sizes = [check_positive_int(f"steps[{k}]", v, fix=fix) for k, v in items]
 
     @property
     def constant(self) -> int | None:
@@ -107,7 +115,9 @@ class Schedule:
         if self._const is not None:
             return self._const
         if self._fn is not None:
-            return check_positive_int(f"steps({count})", self._fn(count))
+            return check_positive_int(f"steps({count})", self._fn(count), fix=(
+                "make the callable return an int >= 1 for every count, e.g. "
+                "steps=lambda n: 4 if n < 100 else 2"))
         i = bisect.bisect_right(self._starts, count) - 1
         return 1 if i < 0 else self._sizes[i]
 
@@ -168,8 +178,8 @@ def parse_schedule(text: str, *, by: ScheduleUnit = "optimizer_step") -> Schedul
         8
     """
     if not isinstance(text, str):
-        raise TypeError(f"steps schedule must be a string like '0:4,2:2', got {text!r} "
-                        f"({type(text).__name__})")
+        raise TypeError(f"steps schedule must be a string, got {text!r} ({type(text).__name__}): "
+                        f"{_WRITTEN}")
     entries = [e.strip() for e in text.split(",")]
     if len(entries) == 1 and ":" not in entries[0]:
         return Schedule(_parse_int(text, entries[0], "N", minimum=1), by=by)
@@ -177,11 +187,11 @@ def parse_schedule(text: str, *, by: ScheduleUnit = "optimizer_step") -> Schedul
     for entry in entries:
         parts = [p.strip() for p in entry.split(":")]
         if len(parts) != 2:
-            raise ValueError(f"steps schedule {text!r}: entry {entry!r} is not 'start:N' "
-                             "(write e.g. '0:4,2:2')")
+            raise ValueError(f"steps schedule {text!r}: entry {entry!r} is not 'start:N': {_WRITTEN}")
         start = _parse_int(text, parts[0], "start", minimum=0)
         if start in mapping:
-            raise ValueError(f"steps schedule {text!r}: start {start} appears twice")
+            raise ValueError(f"steps schedule {text!r}: start {start} appears twice: give each start "
+                             "once, e.g. '0:4,2:2'")
         mapping[start] = _parse_int(text, parts[1], "N", minimum=1)
     return Schedule(mapping, by=by)
 
@@ -190,7 +200,7 @@ def _parse_int(text: str, field: str, what: str, *, minimum: int) -> int:
     try:
         value = int(field)
     except ValueError:
-        raise ValueError(f"steps schedule {text!r}: {what} {field!r} is not an integer") from None
+        raise ValueError(f"steps schedule {text!r}: {what} {field!r} is not an integer: {_WRITTEN}") from None
     if value < minimum:
-        raise ValueError(f"steps schedule {text!r}: {what} must be >= {minimum}, got {value}")
+        raise ValueError(f"steps schedule {text!r}: {what} must be >= {minimum}, got {value}: {_WRITTEN}")
     return value

@@ -1,9 +1,10 @@
 """Validation helpers shared by every backend.
 
 Each helper checks one argument and raises a ``TypeError`` (wrong kind of value) or a
-``ValueError`` (right kind, wrong value) whose message names the argument and shows the value
-it got, so that a user reading the traceback knows what to change. They never mutate anything:
-callers validate first, then change state.
+``ValueError`` (right kind, wrong value) whose message names the argument, shows the value it
+got and says what to pass instead (a caller may word that fix itself: ``fix=``), so that a user
+reading the traceback knows what to change. They never mutate anything: callers validate first,
+then change state.
 """
 
 from __future__ import annotations
@@ -25,12 +26,49 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def check_positive_int(name: str, value: Any) -> int:
+def _number(value: Any) -> float | None:
+    """What ``value`` was meant to be as a finite number (``2.5``, ``"2"``), or None."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def int_example(value: Any, minimum: int, default: int | None = None) -> int:
+    """An int to suggest in place of ``value``: its integer part (``2.5`` and ``"2"`` give 2),
+    raised to ``minimum``; ``default`` (else ``minimum``) where it is no number at all.
+
+    Example:
+        >>> int_example(2.5, 1), int_example(0, 1), int_example(None, 1, default=4)
+        (2, 1, 4)
+    """
+    number = _number(value)
+    if number is None:
+        return minimum if default is None else default
+    return max(minimum, int(number))
+
+
+def _default_fix(name: str, kind: str, example: Any) -> str:
+    """What to do, where the caller did not say: pass ``kind`` such as ``name=example``; for a
+    field of a saved state (``state['epoch']``), load the state as it was written."""
+    if name.startswith("state["):
+        return ("the state is damaged or not an accumulator's; load the dict that state_dict() "
+                "returned, unedited")
+    return f"pass {kind} such as {name + '=' if name.isidentifier() else ''}{example!r}"
+
+
+def check_positive_int(name: str, value: Any, *, fix: str | None = None) -> int:
     """Return ``value`` as an ``int`` if it is an integer >= 1.
 
     Args:
         name: the argument's name, used in the message.
         value: the value to check.
+        fix: what the message tells the user to do; by default to pass an int, the nearest to
+            ``value`` (``steps=2`` for ``2.5`` or ``"2"``).
 
     Returns:
         ``int(value)``.
@@ -43,19 +81,22 @@ def check_positive_int(name: str, value: Any) -> int:
         >>> check_positive_int("steps", 4)
         4
     """
+    fix = fix or _default_fix(name, "an int", int_example(value, 1))
     if not _is_int(value):
-        raise TypeError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__}): {fix}")
     if value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
+        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}: {fix}")
     return int(value)
 
 
-def check_nonneg_int(name: str, value: Any) -> int:
+def check_nonneg_int(name: str, value: Any, *, fix: str | None = None) -> int:
     """Return ``value`` as an ``int`` if it is an integer >= 0.
 
     Args:
         name: the argument's name, used in the message.
         value: the value to check.
+        fix: what the message tells the user to do; by default to pass an int, the nearest to
+            ``value``.
 
     Returns:
         ``int(value)``.
@@ -68,19 +109,23 @@ def check_nonneg_int(name: str, value: Any) -> int:
         >>> check_nonneg_int("micro_step", 0)
         0
     """
+    fix = fix or _default_fix(name, "an int", int_example(value, 0))
     if not _is_int(value):
-        raise TypeError(f"{name} must be a non-negative integer, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a non-negative integer, got {value!r} "
+                        f"({type(value).__name__}): {fix}")
     if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}: {fix}")
     return int(value)
 
 
-def check_positive_float(name: str, value: Any) -> float:
+def check_positive_float(name: str, value: Any, *, fix: str | None = None) -> float:
     """Return ``value`` as a ``float`` if it is a finite real number > 0.
 
     Args:
         name: the argument's name, used in the message.
         value: the value to check.
+        fix: what the message tells the user to do; by default to pass a number, ``value`` as
+            one where it reads as a positive number (``"1"`` gives ``name=1.0``), else 1.0.
 
     Returns:
         ``float(value)``.
@@ -93,18 +138,26 @@ def check_positive_float(name: str, value: Any) -> float:
         >>> check_positive_float("clip_norm", 1)
         1.0
     """
+    number = _number(value)
+    fix = fix or _default_fix(name, "a number", number if number is not None and number > 0 else 1.0)
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}): {fix}")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}: {fix}")
     return float(value)
 
 
-def check_optional_positive_float(name: str, value: Any) -> float | None:
-    """Like :func:`check_positive_float`, but ``None`` passes through (the feature is off).
+def check_optional_positive_float(name: str, value: Any, *, fix: str | None = None) -> float | None:
+    """Like :func:`check_positive_float`, but ``None`` passes through (the feature is off); the
+    message's default fix names ``name=None`` too.
 
     Example:
         >>> check_optional_positive_float("clip_norm", None) is None
         True
     """
-    return None if value is None else check_positive_float(name, value)
+    if value is None:
+        return None
+    number = _number(value)
+    example = number if number is not None and number > 0 else 1.0
+    fix = fix or f"pass a number such as {name}={example!r}, or {name}=None to turn it off"
+    return check_positive_float(name, value, fix=fix)

@@ -5,7 +5,9 @@ in this order, in:
 
 1. the folder the user names (``--data DIR``, or ``data_dir=`` in the API): only there;
 2. the checkout's ``data/mnist``, when gradaccum runs from a source checkout (``pip install -e .``);
-3. the user's cache, :func:`mnist_cache_dir`: ``$GRADACCUM_DATA/mnist`` when ``GRADACCUM_DATA`` is
+3. the ``data/mnist`` of the checkout the command runs in (the current folder or one above it),
+   when gradaccum was installed otherwise, e.g. from the wheel built there;
+4. the user's cache, :func:`mnist_cache_dir`: ``$GRADACCUM_DATA/mnist`` when ``GRADACCUM_DATA`` is
    set, else ``$XDG_CACHE_HOME/gradaccum/mnist``, else ``~/.cache/gradaccum/mnist``.
    ``gradaccum data mnist`` fills it (:mod:`gradaccum.demos.download`).
 
@@ -16,10 +18,11 @@ A folder counts when it holds the four ``.gz`` files; their md5 sums are checked
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 __all__ = ["DATA_ENV", "FILES", "MNIST_FILES", "MnistNotFoundError", "checkout_mnist_dir", "find_mnist",
-           "missing_mnist_files", "mnist_cache_dir"]
+           "missing_mnist_files", "mnist_cache_dir", "working_checkout_mnist_dir"]
 
 DATA_ENV = "GRADACCUM_DATA"
 
@@ -70,6 +73,33 @@ def checkout_mnist_dir() -> Path | None:
     return folder if folder.is_dir() else None
 
 
+# The project's own pyproject.toml: what tells gradaccum's checkout from another project's.
+_OUR_PROJECT = re.compile(r'^name\s*=\s*"gradaccum"\s*$', re.MULTILINE)
+
+
+def working_checkout_mnist_dir(start: Path | None = None) -> Path | None:
+    """The ``data/mnist`` of the gradaccum checkout that ``start`` (the current folder) is in.
+
+    The wheel built in a checkout and installed over its editable install runs from
+    site-packages, where :func:`checkout_mnist_dir` finds nothing; run in the checkout, the
+    demo still reads the checkout's data. A checkout is a folder, ``start`` or one above it,
+    whose ``pyproject.toml`` names the project ``gradaccum`` and that holds ``data/mnist``.
+
+    Returns:
+        That folder, or ``None``.
+    """
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        project = folder / "pyproject.toml"
+        if project.is_file() and (folder / "data" / "mnist").is_dir():
+            try:
+                if _OUR_PROJECT.search(project.read_text(errors="replace")):
+                    return folder / "data" / "mnist"
+            except OSError:
+                pass
+    return None
+
+
 def missing_mnist_files(folder: Path) -> list[str]:
     """The names of the four MNIST files that ``folder`` lacks (all four if it is not a folder).
 
@@ -96,7 +126,7 @@ def find_mnist(data_dir: str | Path | None = None) -> Path:
 
     Raises:
         MnistNotFoundError: ``data_dir`` lacks a file (the message names it), or, without
-            ``data_dir``, neither the checkout nor the cache holds the files (the message says
+            ``data_dir``, neither a checkout nor the cache holds the files (the message says
             how to get them).
 
     Example:
@@ -113,7 +143,7 @@ def find_mnist(data_dir: str | Path | None = None) -> Path:
             raise MnistNotFoundError(f"MNIST file {missing[0]} not found in {folder} "
                                      f"(`gradaccum data mnist --dir {folder}` downloads the four files)")
         return folder
-    for candidate in (checkout_mnist_dir(), mnist_cache_dir()):
+    for candidate in (checkout_mnist_dir(), working_checkout_mnist_dir(), mnist_cache_dir()):
         if candidate is not None and not missing_mnist_files(candidate):
             return candidate
     raise MnistNotFoundError(_hint())

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.integrations._resume import ResumeCheck
 from gradaccum.torch import Accumulator as _Accumulator
 from gradaccum.torch._validate import Items, Reduction, Scheduler
 
@@ -29,7 +30,9 @@ class Accumulator(_Accumulator):
     * steps the optimizer inside a prepared one and uses ``accelerator.scaler`` (fp16), so that
       the scaler unscales and steps once per window (a prepared optimizer would step it again);
     * registers itself for checkpointing: ``accelerator.save_state`` keeps the partial window
-      and ``load_state`` resumes it bitwise;
+      and ``load_state`` resumes it bitwise; where the data's order makes that impossible (a
+      shuffled dataloader without a seedable sampler, or ``set_epoch`` left out of a resumed
+      run) it warns, with the fix;
     * sets ``accelerator.sync_gradients`` after each :meth:`backward` / :meth:`flush` to
       whether that call ended a window (True also when the scaler skipped it, as in Accelerate),
       so ``if accelerator.sync_gradients:`` blocks keep their meaning;
@@ -84,6 +87,7 @@ class Accumulator(_Accumulator):
                          model=model, scheduler=scheduler, scaler=accelerator.scaler, **options)
         self._gradient_state = accelerator.gradient_state
         accelerator.register_for_checkpointing(self)
+        self._resume = ResumeCheck(accelerator)  # the data's order around save_state / load_state
 
     def backward(self, loss: torch.Tensor, n_items: Items = None, *, reduction: Reduction = "mean") -> bool:
         """Feed one micro-batch (:meth:`gradaccum.Accumulator.backward`); at the last batch of a
@@ -133,6 +137,8 @@ class Accumulator(_Accumulator):
     def _fed(self, feed: Callable[[], bool]) -> bool:
         """Run one feeding call with Accelerate's flags around it (``sync_gradients`` True while
         it runs: Accelerate's scheduler steps only then), flushing at the dataloader's end."""
+        if self._resume.pending:
+            self._resume.check()
         windows = self.windows
         self._gradient_state.sync_gradients = True
         stepped = feed()

@@ -72,9 +72,10 @@ def assert_accumulation_exact(
             ``DistributedDataParallel`` (pass it as ``model=`` to your Accumulator); the
             reference runs in one process. ``step_fn``, ``make_model``, ``make_optimizer``,
             ``make_scheduler`` and the batch travel by pickle: define them at a module's top level.
-        atol, rtol: a parameter agrees when ``max|diff| <= atol + rtol * its largest
-            full-batch move``; by default from the parameters' dtype (1e-12 and 1e-9 in float64,
-            1e-6 and 1e-4 in float32).
+        atol: the absolute tolerance: a parameter agrees when ``max|diff| <= atol + rtol *
+            its largest full-batch move``; by default from the parameters' dtype (1e-12 in
+            float64, 1e-6 in float32).
+        rtol: the relative tolerance of that test; by default 1e-9 in float64, 1e-4 in float32.
         seed: seeds the model and every run's RNG state.
         timeout: seconds for the distributed run.
         windows: optimizer steps per run (at least 3 to see a forgotten ``zero_grad`` and a

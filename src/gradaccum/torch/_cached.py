@@ -84,13 +84,13 @@ def _listed(chunks: Any) -> list[Any]:
 def _check_result(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn must return a scalar tensor (the batch's loss), got a "
-                        f"{type(loss).__name__}")
+                        f"{type(loss).__name__}: return the loss tensor, not a tuple, dict or loss.item()")
     if loss.numel() != 1 or not loss.is_floating_point():
         raise ValueError(f"loss_fn must return a floating scalar (the batch's loss), got a {loss.dtype} "
-                         f"tensor of shape {tuple(loss.shape)}")
+                         f"tensor of shape {tuple(loss.shape)}: reduce it, e.g. return loss.mean()")
     if not loss.requires_grad:
-        raise ValueError("loss_fn's result does not require grad: it must be computed from its arguments "
-                         "(the representations), not from detached copies")
+        raise ValueError("loss_fn's result does not require grad: compute it from its arguments "
+                         "(the representations), not from detached copies or under torch.no_grad()")
     return loss
 
 
@@ -132,9 +132,11 @@ class CachedBackward:
         """
         for name, fn in (("encode", encode), ("loss_fn", loss_fn)):
             if not callable(fn):
-                raise TypeError(f"{name} must be callable, got a {type(fn).__name__}")
+                raise TypeError(f"{name} must be callable, got a {type(fn).__name__}: pass a function, "
+                                "e.g. backward_cached(model, loss_fn, chunks)")
         if not torch.is_grad_enabled():
-            raise RuntimeError("backward_cached needs grad mode: it was called under torch.no_grad()")
+            raise RuntimeError("backward_cached needs grad mode: it was called under torch.no_grad(); "
+                               "call it outside the no_grad block")
         items = _listed(chunks)
         self._agree_on_chunks(len(items))
         start, norms, before = RngStates.capture(), NormStats(self.model), GradsBefore(self.params)
@@ -185,7 +187,8 @@ class CachedBackward:
     def _agree_on_chunks(self, count: int) -> None:
         if self.sync.world_size == 1:
             if not count:
-                raise ValueError("chunks is empty: backward_cached needs at least one chunk")
+                raise ValueError("chunks is empty: backward_cached needs at least one chunk; pass "
+                                 "gradaccum.chunks(batch, size) of a non-empty batch")
             return
         _, shortest, longest = agree_on_count(self.sync, count)
         if shortest != longest or not shortest:

@@ -115,7 +115,8 @@ class Precision:
         model: Any = None,
     ) -> None:
         if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}: pass "
+                            "skip_nonfinite=True or False")
         buffers = None if accum_dtype is None else AccumBuffers(params, _check_accum_dtype(accum_dtype))
         if buffers:
             wrapper = _distributed_wrapper(model, params)
@@ -256,7 +257,8 @@ class Precision:
             self.buffers.check_state(state)
         elif state is not None:
             raise ValueError(f"state was saved with accum_dtype={state.get('dtype')}, this "
-                             "accumulator has none")
+                             f"accumulator has none: build it with accum_dtype={state.get('dtype')} to "
+                             "resume it")
 
     def load_state_dict(self, state: Any) -> None:
         """Restore the wide buffers (after :meth:`check_state`)."""
@@ -291,7 +293,9 @@ def _version(p: torch.Tensor) -> int:
 
 def _check_accum_dtype(accum_dtype: Any) -> torch.dtype:
     if not isinstance(accum_dtype, torch.dtype):
-        raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
+        raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}: pass "
+                        "accum_dtype=torch.float32, or leave it out")
     if accum_dtype not in WIDE_DTYPES:
-        raise ValueError(f"accum_dtype must be torch.float32 or torch.float64, got {accum_dtype}")
+        raise ValueError(f"accum_dtype must be torch.float32 or torch.float64, got {accum_dtype}: pass "
+                         "accum_dtype=torch.float32 (the wide sum of bf16 or fp16 gradients)")
     return accum_dtype

@@ -22,6 +22,10 @@ class Scheduler(Protocol):
     def step(self) -> Any: ...
 
 
+# What a message about a bad n_items says to pass.
+_COUNT_FIX = ("pass the items the loss averages over, e.g. n_items=len(y) or "
+              "gradaccum.count_tokens(labels), or leave n_items=None for a plain mean")
+
 # Item totals are summed and divided in float64: beyond 2**53 an integer count is no longer exact
 # there. The same limit holds for a count, a weight and a window's total, as a number or a tensor.
 MAX_EXACT_ITEMS = 2**53
@@ -49,8 +53,9 @@ def check_loss(loss: Any) -> None:
                              f"{tuple(loss.shape)}: reduce it first, loss.mean() (or loss.sum() with "
                              "n_items and reduction='sum')")
         if not loss.requires_grad:
-            raise ValueError("loss does not require grad: was it computed under torch.no_grad(), "
-                             "or detached?")
+            raise ValueError("loss does not require grad (computed under torch.no_grad() or "
+                             "torch.inference_mode(), or detached): compute it from the model's output "
+                             "with grad enabled, and pass the tensor itself, not loss.detach()")
         return
     kind = type(loss).__name__
     if isinstance(getattr(loss, "loss", None), torch.Tensor) or (
@@ -69,7 +74,8 @@ def check_loss(loss: Any) -> None:
         raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}: pass the "
                         "loss tensor itself, not loss.item() (a Python number has no graph to "
                         "backward through)")
-    raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}")
+    raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}: pass the "
+                    "micro-batch's loss tensor, e.g. acc.backward(criterion(model(x), y))")
 
 
 def check_items(n_items: Any, reduction: Any = "mean") -> Any:
@@ -89,17 +95,20 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
             an unknown ``reduction``.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {_short(reduction)}")
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {_short(reduction)}: pass "
+                         "reduction='mean' for a mean loss, or reduction='sum' with n_items for a summed one")
     summed = reduction == "sum"
     if n_items is None:
         if summed:
             raise ValueError("n_items=None with reduction='sum': a summed loss needs the number of "
-                             "items it sums over (it may be 0)")
+                             "items it sums over: pass it, acc.backward(loss, n_items=n, reduction='sum') "
+                             "(it may be 0)")
         return None
     if isinstance(n_items, torch.Tensor):
         return _check_tensor(n_items, summed)
     if isinstance(n_items, bool) or not isinstance(n_items, Real):
-        raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {_short(n_items)}")
+        raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {_short(n_items)}: "
+                        f"{_COUNT_FIX}")
     value: int | float = int(n_items) if isinstance(n_items, Integral) else float(n_items)
     _check_value(value, summed)
     return value
@@ -113,15 +122,16 @@ def _check_tensor(n: torch.Tensor, summed: bool) -> torch.Tensor:
     # This runs on every micro-step of the language-model path: attribute reads only, and no
     # kernel (tolist reads a CPU value without one; a device value is not read at all).
     if n.dtype not in _REAL_DTYPES:
-        fix = ": pass the count, mask.sum()" if n.dtype == torch.bool else ""
-        raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor{fix}")
+        fix = "the count, mask.sum()" if n.dtype == torch.bool else "an integer or floating count"
+        raise TypeError(f"n_items must be a count or a weight, got a {n.dtype} tensor: pass {fix}")
     if n.ndim:
         if n.numel() != 1:
-            raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}")
+            raise ValueError(f"n_items must be a scalar, got a tensor of shape {tuple(n.shape)}: pass "
+                             "the micro-batch's total, e.g. n_items=counts.sum()")
         n = n.reshape(())
     if n.is_meta or n.layout != torch.strided:
         raise ValueError(f"n_items must be a dense tensor with a value, got a {n.layout} tensor on "
-                         f"{n.device}")
+                         f"{n.device}: pass the count as a number or a dense CPU or GPU tensor")
     if n.is_cpu:
         _check_value(n.tolist(), summed)  # type: ignore[arg-type]  # an int stays exact
     # No copy: the window's total starts as a wide copy (gradaccum.torch._weights).
@@ -147,11 +157,12 @@ def check_total(total: Any) -> None:
 
 def _check_value(value: float, summed: bool) -> None:
     if not math.isfinite(value):
-        raise ValueError(f"n_items must be finite, got {value}")
+        raise ValueError(f"n_items must be finite, got {value}: {_COUNT_FIX}")
     if value > MAX_EXACT_ITEMS:
-        raise ValueError(f"n_items={value!r} is beyond float64's exact integer range (2**53)")
+        raise ValueError(f"n_items={value!r} is beyond float64's exact integer range (2**53): pass "
+                         "smaller counts (e.g. a mean weight per item)")
     if value < 0:
-        raise ValueError(f"n_items must be >= 0, got {value}")
+        raise ValueError(f"n_items must be >= 0, got {value}: {_COUNT_FIX}")
     if value == 0 and not summed:
         raise ValueError("n_items=0 with reduction='mean': a mean over no items is undefined; for "
                          "micro-batches that may hold no items pass the summed loss with "
@@ -193,12 +204,16 @@ def check_parts(optimizer: Any, model: Any, scheduler: Any, scaler: Any) -> None
                         "lr=0.1), steps=4)")
     if _required_args(optimizer):
         raise TypeError(f"optimizer {type(optimizer).__name__} needs a closure in step(closure), which "
-                        "re-evaluates the loss: it cannot step once per accumulated window")
+                        "re-evaluates the loss, so it cannot step once per accumulated window: use an "
+                        "optimizer that steps without one (SGD, Adam, AdamW), or step LBFGS on the whole "
+                        "batch yourself, without an Accumulator")
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: pass "
+                        "the model you call, model=ddp_model, or leave it out")
     if scheduler is not None:
         if not callable(getattr(scheduler, "step", None)):
-            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}: pass "
+                            "an LR scheduler, e.g. scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1)")
         needs = _required_args(scheduler)
         if needs:
             raise TypeError(
@@ -211,4 +226,5 @@ def check_parts(optimizer: Any, model: Any, scheduler: Any, scaler: Any) -> None
                              "over the optimizer you pass to the Accumulator (scheduler = "
                              "StepLR(optimizer, ...); Accumulator(optimizer, steps, scheduler=scheduler))")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+        raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}: "
+                        "pass scaler=torch.amp.GradScaler(), or leave it out")

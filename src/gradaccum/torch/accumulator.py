@@ -20,6 +20,7 @@ from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch
 from gradaccum.torch._precision import Precision
+from gradaccum.torch._saves import SavedWindows
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -43,7 +44,7 @@ def _open_steps(acc: Accumulator) -> int:
     return acc.micro_step
 
 
-class Accumulator(Feeds, Checkpointing, WindowHooks):
+class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
     """Accumulate the gradients of N micro-batches and apply them as one exact update.
 
     Gradients add up in ``.grad``; the parameters change only at a window's boundary (unscale,
@@ -133,6 +134,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self.scheduler = scheduler
         self._params = params
         WindowHooks.__init__(self)
+        self._watch_saves(optimizer)
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
@@ -321,8 +323,10 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
             self.grad_norm = out.grad_norm
         if out.no_grads and not self._warned_no_grad:
             self._warned_no_grad = True
-            warnings.warn("no parameter of the optimizer received a gradient in this window: does the "
-                          "loss come from another model, or a detached graph?", stacklevel=5)
+            warnings.warn("no parameter of the optimizer received a gradient in this window (a loss from "
+                          "another model, or a detached graph?): build the optimizer over the parameters "
+                          "the loss is computed from, SGD(model.parameters()), and do not detach the "
+                          "model's output", stacklevel=5)
         if not out.stepped:
             self.skipped_windows += 1
             return
