@@ -262,7 +262,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
 
     def _open_window(self, basis: Any) -> None:
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
-        self._window = Window.open(self.schedule(count), basis)
+        self._window = Window.open(self.schedule(count), basis, count)
         self._sync.prepare(self._window.next_is_last)
 
     def _before_feed(self, window: Window) -> None:
@@ -329,7 +329,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
         self._guard.forget()
-        self._window = Window(self._window.size, basis=basis)
+        self._window = Window(self._window.size, basis=basis, opened_at=self._window.opened_at)
 
     def __del__(self) -> None:
         # Dropped with a partial window: its gradients stay in .grad; the next accumulator over
