@@ -66,12 +66,15 @@ class Checkpointing:
             TypeError, ValueError: a field is missing, of the wrong type or out of range (the
                 message names the key), or the state comes from an accumulator with another
                 ``steps`` or other parameters; nothing is changed then.
+            RuntimeError: another live accumulator holds a partial window over these parameters
+                (loading would overwrite its gradients); nothing is changed.
         """
         window = check_state(state, self.schedule.describe(), self._params)
         self._check_size(window)
         self._precision.check_state(state.get("accum"))
-        if not window.empty:
-            self._holders.refuse_overlap(self, "load a partial window")
+        # Loading sets the shared .grad (to None for an empty window): never under another's window.
+        self._holders.refuse_overlap(self, "load a partial window" if not window.empty else
+                                     "load a state with an empty window", "overwrite")
         restore_grads(self._params, state["grads"])
         self._precision.load_state_dict(state.get("accum"))
         for key in COUNTERS:
