@@ -292,3 +292,18 @@ def test_the_examples_own_step_calls_left_in_the_loop_change_nothing(kept):
     assert left_in["lr_scheduler"].get_last_lr() == port["lr_scheduler"].get_last_lr()
     assert left_in["lr_scheduler"].scheduler.last_epoch == 6
     assert max_diff(left_in["model"], port["model"]) == 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_by_hand_the_examples_own_scheduler_step_is_refused():
+    # Without the adapter nothing gates the prepared scheduler (sync_gradients stays True: the
+    # loop's step moves it after every micro-batch): the accumulator refuses it at its boundary.
+    base = gpt2()
+    with pytest.raises(RuntimeError, match=r"scheduler\.step\(\) was called outside the accumulator.*"
+                                           r"remove your own scheduler\.step\(\)"):
+        run("run-clm", namespace(base, 4, 4, 32), (
+            "gradaccum.integrations.accelerate.Accumulator(accelerator, optimizer, model=model, "
+            "scheduler=lr_scheduler)",
+            "gradaccum.Accumulator(optimizer.optimizer, gradient_accumulation_steps, model=model, "
+            "scheduler=lr_scheduler, scaler=accelerator.scaler)"),
+            (BACKWARD, BACKWARD + "        lr_scheduler.step()\n"))

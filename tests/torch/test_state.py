@@ -245,7 +245,8 @@ def test_states_written_before_the_opening_count_was_recorded_still_load_bitwise
 @pytest.mark.parametrize("value, kind, message", [
     (-1, ValueError, r"state\['window'\]\['opened_at'\] must be a non-negative integer"),
     ("0", TypeError, r"state\['window'\]\['opened_at'\]"),
-    (1, ValueError, r"state\['window'\]\['size'\] is 3, but steps=.* gives 2 at epoch 1, where the window opened"),
+    (1, ValueError, r"state\['window'\]\['size'\] is 3, but steps=.* gives 2 at epoch 1, where the "
+                    "window opened"),
 ])
 def test_an_edited_opening_count_is_refused_before_any_change(value, kind, message):
     model = mlp()

@@ -4,11 +4,12 @@ Hypothesis drives random sequences of operations (``backward`` with every ``n_it
 both reductions, empty sum-reduced micro-batches, ``micro_batch`` blocks, ``mb.term`` windows,
 ``flush``, ``discard``, a checkpoint reloaded into a fresh accumulator mid-window, schedules that
 change ``steps`` (by optimizer step or by epoch), ``set_epoch`` and ``resize_window`` (each
-followed by a reload: a state the accumulator wrote always loads), clipping, an LR scheduler and a GradScaler that overflows on chosen
-micro-batches) through :class:`gradaccum.Accumulator` on a tiny float64 linear model and through
-:mod:`tests.torch.window_model`, which shares no code with the accumulator. After every
-operation the parameters (to 1e-12), the counters, the window loss and the return values agree,
-and an operation that completes no window leaves the parameters bitwise unchanged.
+followed by a reload: a state the accumulator wrote always loads), clipping, an LR scheduler and
+a GradScaler that overflows on chosen micro-batches) through :class:`gradaccum.Accumulator` on a
+tiny float64 linear model and through :mod:`tests.torch.window_model`, which shares no code with
+the accumulator. After every operation the parameters (to 1e-12), the counters, the window loss
+and the return values agree, and an operation that completes no window leaves the parameters
+bitwise unchanged.
 
 Profiles (tests/conftest.py): ``ci`` (the default: derandomized, 200 sequences) and ``slow``
 (10x: ``pytest tests/torch/test_window_model.py --hypothesis-profile=slow``). A failure prints

@@ -65,10 +65,12 @@ class _SetAside:
             p.grad = None
 
     def add_back(self) -> None:
+        """Add the held gradients back, into their own tensors (a window's ``.grad`` stays the
+        tensor its first micro-batch made: torch/_window_grads.py)."""
         self.added = True
         for p, g in zip(self.params, self.saved, strict=True):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                p.grad = g if p.grad is None else g.add_(p.grad)
 
     def undo(self) -> None:
         """Drop the call's gradients and put the old ones back (before :meth:`add_back` only)."""

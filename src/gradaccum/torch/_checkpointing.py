@@ -84,7 +84,7 @@ class Checkpointing:
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
         self._holders.adopt()
-        self._guard.note() if not self._window.empty else self._guard.forget()
+        self._guard.resume(self._window.micro_step)
 
     def _check_size(self, window: Window) -> None:
         """A saved window's size is the one ``steps`` gave when it opened (else the window would
@@ -97,8 +97,8 @@ class Checkpointing:
             return
         want = self.schedule(at)
         if window.size != want:
-            by_epoch = self.schedule.by == "epoch"
-            raise ValueError(f"state['window']['size'] is {window.size}, but steps={self.schedule.describe()!r} "
-                             f"gives {want} at {'epoch' if by_epoch else 'optimizer step'} {at}, where "
+            count = "epoch" if self.schedule.by == "epoch" else "optimizer step"
+            raise ValueError(f"state['window']['size'] is {window.size}, but steps="
+                             f"{self.schedule.describe()!r} gives {want} at {count} {at}, where "
                              "the window opened (state['window']['opened_at']): not a state this "
                              "accumulator wrote; resume from an unedited Accumulator.state_dict()")

@@ -18,7 +18,7 @@ import torch
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
 from gradaccum.torch._cached import CachedBackward
-from gradaccum.torch._guards import Guard
+from gradaccum.torch._guards import Guard, refuse_entry
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
@@ -38,6 +38,7 @@ class Feeds:
     _sync: GradSync
     _guard: Guard
     _cached: CachedBackward
+    _entered: bool
 
     def _before_feed(self, window: Window) -> None:
         raise NotImplementedError  # Accumulator's
@@ -80,10 +81,16 @@ class Feeds:
             True
         """
         n = check_items(n_items, reduction)
-        self._before_feed(self._window)
-        window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
-        self._guard.note()
-        return self._commit(window)
+        if self._entered:
+            refuse_entry("backward_cached")
+        self._entered = True
+        try:
+            self._before_feed(self._window)
+            window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+            self._guard.note_passes(2)  # the set-aside gradients added back, then the last chunk's
+            return self._commit(window)
+        finally:
+            self._entered = False
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -112,7 +119,18 @@ class Feeds:
             True
         """
         n = check_items(n_items, reduction)
-        summed = reduction == "sum"
+        if self._entered:
+            refuse_entry("micro_batch")
+        self._entered = True
+        try:
+            with self._micro_batch(n, reduction == "sum") as mb:
+                yield mb
+        finally:
+            self._entered = False
+
+    @contextmanager
+    def _micro_batch(self, n: Any, summed: bool) -> Iterator[MicroBatch]:
+        """The block of :meth:`micro_batch` (which holds the entry flag around it)."""
         window = self._window
         self._before_feed(window)
         term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
@@ -132,6 +150,6 @@ class Feeds:
 
         with micro_batch_block(run, weigh) as mb:
             yield mb
-        self._guard.note()
+        self._guard.note_passes(len(mb.parts))
         mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                                    terms=add_terms(pending.terms, fed)))
