@@ -426,3 +426,25 @@ def test_a_feeding_call_inside_its_own_micro_batch_block_is_refused():
     assert acc.micro_step == 1
     acc.backward(ce(model, x[4:], y[4:]))  # and the next call goes through
     assert acc.micro_step == 2
+
+
+def test_a_refused_boundary_after_a_failed_one_counts_no_step():
+    # A boundary whose optimizer stepped before a post-hook raised is counted; the next refused
+    # boundary (the scheduler moved) stepped nothing and must count nothing.
+    model, opt, sched, acc = sched_setup()
+    x, y = data(8)
+    handle = opt.register_step_post_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("hook failed")))
+    acc.backward(ce(model, x[:2], y[:2]))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        acc.backward(ce(model, x[2:4], y[2:4]))
+    handle.remove()
+    assert acc.optimizer_steps == 1 and sched.last_epoch == 1
+    acc.backward(ce(model, x[4:6], y[4:6]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched.step()
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="this window is dropped"):
+        acc.backward(ce(model, x[6:], y[6:]))
+    assert acc.optimizer_steps == 1 and sched.last_epoch == 2  # the loop's step only
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -123,11 +123,14 @@ class Guard:
         self.grads.add_passes(passes)
         self.note()
 
-    def _start(self) -> torch.Tensor:
-        """The window's first note: record every gradient, pick the probe (the first parameter
-        holding a gradient; the first parameter when none does, which then checks nothing)."""
-        acc = self._owner()
-        self.grads.record(1 if acc is None else acc.micro_step + 1)  # before the commit
+    def _start(self, fed: int | None = None) -> torch.Tensor:
+        """The window's first note: record every gradient (``fed``: micro-batches in the window,
+        by default the one being committed), pick the probe (the first parameter holding a
+        gradient; the first parameter when none does, which then checks nothing)."""
+        if fed is None:
+            acc = self._owner()
+            fed = 1 if acc is None else acc.micro_step + 1  # note() runs before the commit
+        self.grads.record(fed)
         p = next((q for q in self._params if q.grad is not None), None)
         if p is None:
             p = self._params[0] if self._params else torch.empty(0)
@@ -140,8 +143,8 @@ class Guard:
         self.forget()
         self._scheduled = None
         if micro_step:
+            self._start(micro_step)
             self.note()
-            self.grads.record(micro_step)
 
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""

@@ -24,9 +24,11 @@ changed outside the accumulator before its end.
   ``sync="window"`` (DDP and FSDP2 reduce in the last micro-batch's backward, after it); under
   ``sync="micro_batch"`` (or ``sync="local"`` under a process group of several ranks, where a DDP
   model not given as ``model=`` reduces every backward itself) each reduction rewrites the
-  gradients, and only a cleared gradient is caught. A gradient held outside ``.grad`` (``accum_dtype`` buffers; FSDP2's
-  unsharded sums under ``sync="window"``) is ``None`` when recorded, and not checked. Cost: two
-  passes over the parameters per window, reading attributes (no kernel).
+  gradients, and only a cleared gradient is caught. A gradient held outside ``.grad``
+  (``accum_dtype`` buffers; FSDP2's unsharded sums under ``sync="window"``) is ``None`` when
+  recorded, and not checked. An edit within the passes a parameter skipped (one unused in some
+  micro-batches) goes unseen. Cost: two passes over the parameters per window, reading attributes
+  (no kernel).
 """
 
 from __future__ import annotations
