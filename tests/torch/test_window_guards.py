@@ -266,7 +266,12 @@ def test_an_unwatched_gradient_edited_mid_window_is_refused_before_the_last_micr
     assert "acc.discard() this window" in str(err.value)
     assert acc.micro_step == 3 and same_grads(model, held)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(RuntimeError, match=want):  # again, until the window is discarded
+        acc.backward(ce(model, x[12:], y[12:]))
     acc.discard()
+    for xb, yb in zip(x.split(4), y.split(4), strict=True):
+        acc.backward(ce(model, xb, yb))
+    assert acc.optimizer_steps == 1
 
 
 def test_without_model_the_edited_parameter_is_named_by_its_index():

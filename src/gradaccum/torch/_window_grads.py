@@ -65,8 +65,10 @@ class WindowGrads:
         Raises:
             RuntimeError: naming the first parameter holding one, and the fix; nothing changed.
         """
-        present = [(i, g) for i, p in enumerate(self._params) if (g := p.grad) is not None]
-        for i, g in present:
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                continue
             local = getattr(g, "_local_tensor", g)  # an FSDP2 shard: no collective for a check
             if bool((local._values() if local.is_sparse else local).any()):
                 raise RuntimeError(
@@ -96,7 +98,7 @@ class WindowGrads:
     def check(self, fed: int, steps: int) -> None:
         """Before the window's last micro-batch (or a flush), ``fed`` micro-batches in: every
         recorded gradient is the same tensor, changed by nothing but the passes since. The record
-        is then dropped (a gradient a reduction replaces is not kept alive).
+        is then dropped (a gradient a reduction replaces is not kept alive); kept if it raises.
 
         Raises:
             RuntimeError: naming the parameter and the fix.
@@ -105,18 +107,29 @@ class WindowGrads:
         if record is None:
             return
         passes = fed - self._at + self._extra
-        exact = self._exact
+        if self._exact:
+            for p, was in zip(self._params, record, strict=True):
+                if was is not None and ((g := p.grad) is not was[0]
+                                        or not 0 <= g._version - was[1] <= passes):
+                    self._refuse(record, passes, fed, steps)
+        elif any(was is not None and p.grad is None for p, was in zip(self._params, record, strict=True)):
+            self._refuse(record, passes, fed, steps)
+        self._record = None
+
+    def _refuse(self, record: list[tuple[torch.Tensor, int] | None], passes: int, fed: int,
+                steps: int) -> None:
+        """Raise for the first parameter whose gradient the record does not explain."""
         for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
             if was is None:
                 continue
             g = p.grad
             if g is was[0]:
-                if not exact or 0 <= g._version - was[1] <= passes:
+                if not self._exact or 0 <= g._version - was[1] <= passes:
                     continue
                 what = "changed in place"
             elif g is None:
                 what = "cleared (set to None)"
-            elif not exact:
+            elif not self._exact:
                 continue
             else:
                 what = "replaced by another tensor"
@@ -126,7 +139,6 @@ class WindowGrads:
                 "gradients yourself, or setting .grad, inside an open window. The accumulator "
                 "clips and steps once per window, when acc.backward() completes it: remove that "
                 "code, then acc.discard() this window (its gradients are lost)")
-        self._record = None
 
     def _name(self, i: int) -> str:
         """``parameter 'fc.bias'`` when ``model=`` names it, else its index in the optimizer."""
