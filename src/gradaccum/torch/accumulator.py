@@ -207,7 +207,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        if self._entered:  # a flag, not a lock: an accumulator is deep-copyable (torch/_guards.py)
+        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
             refuse_entry("backward")
         self._entered = True
         try:
