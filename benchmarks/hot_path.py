@@ -5,6 +5,9 @@ gradaccum int, gradaccum tensor), 4 micro-batches per window, on a trivial model
 the per-micro-step overhead shows) or the seed MLP. Ops are counted over 3 windows with a
 TorchDispatchMode (machine-independent: each op is a kernel launch on a GPU); times are medians
 of windows run interleaved round by round in one process (the order rotating), after warm-up.
+A second table gives the Python time of the once-per-window gradient checks (stale gradients,
+the record after a window's first micro-batch, the check before its last) for this model's
+parameter tensors and for GPT-2 small's 148.
 
     python benchmarks/hot_path.py [--model trivial|mlp] [--micro 8] [--rounds 300] [--threads 1]
                                   [--json docs/results/hot_path.json]
