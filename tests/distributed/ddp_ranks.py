@@ -245,6 +245,45 @@ def acceptance(rank: int, world: int) -> dict[str, Any]:
             "optimizer_steps": acc.optimizer_steps, "batch_error": batch_error}
 
 
+def grad_guards(rank: int, world: int) -> dict[str, Any]:
+    """The once-per-window gradient check under DDP, sync "window" and "micro_batch", with and
+    without gradient_as_bucket_view, a parameter unused in some micro-batches: two clean windows
+    (silent, and the full batch's update), then an edit of one gradient on every rank (refused
+    before the last micro-batch's backward on every rank, then discarded)."""
+    out: dict[str, Any] = {}
+    for sync in ("window", "micro_batch"):
+        for view in (False, True):
+            ddp = DDP(Branchy(), find_unused_parameters=True, gradient_as_bucket_view=view)
+            acc = gradaccum.Accumulator(make_optimizer("sgd", ddp.parameters()), 2, model=ddp, sync=sync)
+            ref = Branchy()
+            ref_opt = make_optimizer("sgd", ref.parameters())
+            for w, pattern in enumerate(BRANCHES):
+                x, y = data(world * 2 * MICRO, seed=200 + w)
+                for i, (xb, yb) in enumerate(share(x, y, rank, 2, MICRO)):
+                    acc.backward(cross_entropy(ddp(xb, pattern[rank][i]), yb))
+                ref_opt.zero_grad(set_to_none=True)
+                loss = sum(cross_entropy(ref(xb, pattern[r][i]), yb)
+                           for r in range(world) for i, (xb, yb) in enumerate(share(x, y, r, 2, MICRO)))
+                (loss / (world * 2)).backward()  # type: ignore[operator]
+                ref_opt.step()
+            key = f"{sync}, bucket view {view}"
+            out[key + ": params"] = (params_of(ddp.module), params_of(ref))
+            x, y = data(world * 2 * MICRO, seed=250)
+            (x0, y0), (x1, y1) = share(x, y, rank, 2, MICRO)
+            acc.backward(cross_entropy(ddp(x0, 0), y0))
+            if sync == "window":
+                ddp.module.head.bias.grad.mul_(2)
+            else:  # each backward's reduction rewrites .grad: only a cleared one is seen
+                ddp.module.head.bias.grad = None
+            try:
+                acc.backward(cross_entropy(ddp(x1, 0), y1))
+                out[key + ": edit"] = "not caught"
+            except RuntimeError as e:
+                out[key + ": edit"] = str(e)
+            acc.discard()
+    return out
+
+
 def collectives(rank: int, world: int) -> dict[str, Any]:
     """Every all-reduce, per micro-batch and per flush: DDP's (its comm hook, one call per bucket)
     and the accumulator's own (all through ``RankGroups.all_reduce``), with their bytes.
@@ -326,5 +365,6 @@ if __name__ == "__main__":
         "unequal_flush": unequal_flush,
         "acceptance": acceptance,
         "collectives": collectives,
+        "grad_guards": grad_guards,
         "stalled_peer": stalled_peer,  # last: its group is left broken
     })

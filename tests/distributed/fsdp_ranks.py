@@ -121,6 +121,30 @@ def checkpoint_and_discard(rank: int, world: int) -> dict[str, Any]:
     return out | reference([(x, y)], None)
 
 
+def edited_grads(rank: int, world: int) -> dict[str, Any]:
+    """A sharded gradient cleared before a window's last micro-batch: refused under "micro_batch"
+    (the sharded .grad is the window's); under "window" FSDP2 holds the window's gradients and
+    .grad is None mid-window: nothing to clear, nothing refused, the window exact."""
+    out: dict[str, Any] = {}
+    for sync in ("window", "micro_batch"):
+        model = sharded()
+        opt = make_optimizer("adamw", model.parameters())
+        acc = gradaccum.Accumulator(opt, STEPS, model=model, sync=sync)
+        x, y = data(world * STEPS * MICRO, seed=700)
+        fed = share(x, y, rank, STEPS, MICRO)
+        for xb, yb in fed[:-1]:
+            acc.backward(cross_entropy(model(xb), yb))
+        model[2].bias.grad = None
+        try:
+            acc.backward(cross_entropy(model(fed[-1][0]), fed[-1][1]))
+            out[sync] = f"stepped: {acc.optimizer_steps}"
+        except RuntimeError as e:
+            out[sync] = str(e)
+            acc.discard()
+        out[f"{sync}_params"] = full_params(model)
+    return out | reference([(x, y)], None)
+
+
 def unsharded_root(rank: int, world: int) -> dict[str, Any]:
     model = mlp()
     fully_shard(model[0])
@@ -139,4 +163,5 @@ if __name__ == "__main__":
         "flush_micro_batch": lambda r, w: flush_partial(r, w, "micro_batch"),
         "checkpoint_and_discard": checkpoint_and_discard,
         "unsharded_root": unsharded_root,
+        "edited_grads": edited_grads,
     })

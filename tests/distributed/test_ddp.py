@@ -149,3 +149,15 @@ def test_a_rank_that_raises_mid_window_does_not_hang_the_other(ranks):
     # Rank 0's boundary all-reduce gives up after its process group's timeout (3 s here, against
     # 60 s for the default group): gloo's message names it, so no clock is read.
     assert "Timed out waiting 3000ms" in r0["outcome"], r0["outcome"]
+
+
+def test_every_gradient_is_checked_once_per_window_and_ddp_reductions_are_not_taken_for_an_edit(ranks):
+    # Sync "window": no reduction before the last micro-batch, the check is exact; "micro_batch":
+    # each reduction rewrites .grad (a bucket view replaces it), only a cleared gradient is seen.
+    for r in scenario(ranks, "grad_guards"):
+        for key, value in r.items():
+            if key.endswith("params"):
+                assert_all_close(*value)
+            else:
+                what = "changed in place" if key.startswith("window") else "cleared"
+                assert value.startswith(f"the gradient of parameter 'module.head.bias' was {what}"), value

@@ -77,3 +77,10 @@ def test_discard_drops_the_gradients_fsdp_holds(ranks, mode):
 def test_sharded_submodules_under_an_unsharded_root_are_refused(ranks):
     for r in scenario(ranks, "unsharded_root"):
         assert "call fully_shard(model) on the root" in r["message"]
+
+
+def test_a_cleared_sharded_gradient_is_refused_and_a_window_held_by_fsdp_is_exact(ranks):
+    for r in scenario(ranks, "edited_grads"):
+        assert r["micro_batch"].startswith("the gradient of parameter '2.bias' was cleared"), r["micro_batch"]
+        assert r["window"] == "stepped: 1"
+        assert_all_close(r["window_params"], r["ref_params"])

@@ -271,3 +271,39 @@ def test_sync_gradients_follows_the_windows_and_the_end_of_the_dataloader():
         flags.append(accelerator.sync_gradients)
     assert flags == stepped == [False, False, False, True, False, True]  # 4, then the last 2
     assert acc.optimizer_steps == 2 and acc.micro_step == 0
+
+
+BACKWARD = "        acc.backward(loss, n_items=gradaccum.count_tokens(batch[\"labels\"], shift=True))\n"
+
+
+@pytest.mark.parametrize("kept", [
+    "optimizer.step()\n        lr_scheduler.step()\n        optimizer.zero_grad()\n",
+    "lr_scheduler.step()\n",
+    "if accelerator.sync_gradients:\n            lr_scheduler.step()\n",
+])
+def test_the_examples_own_step_calls_left_in_the_loop_change_nothing(kept):
+    # The example's optimizer.step(), lr_scheduler.step() and optimizer.zero_grad() left after
+    # acc.backward: the prepared scheduler stepped a second time at each window's end (after 3
+    # windows the LR was 8x too low, the parameters 4.2e-2 off); the accumulator steps it once.
+    base = gpt2()
+    port = train("run-clm", base, 4, 4)
+    left_in = train("run-clm", base, 4, 4, (BACKWARD, BACKWARD + "        " + kept))
+    assert left_in["completed_steps"] == port["completed_steps"] == 6
+    assert left_in["lr_scheduler"].get_last_lr() == port["lr_scheduler"].get_last_lr()
+    assert left_in["lr_scheduler"].scheduler.last_epoch == 6
+    assert max_diff(left_in["model"], port["model"]) == 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_by_hand_the_examples_own_scheduler_step_is_refused():
+    # Without the adapter nothing gates the prepared scheduler (sync_gradients stays True: the
+    # loop's step moves it after every micro-batch): the accumulator refuses it at its boundary.
+    base = gpt2()
+    with pytest.raises(RuntimeError, match=r"scheduler\.step\(\) was called outside the accumulator.*"
+                                           r"remove your own scheduler\.step\(\)"):
+        run("run-clm", namespace(base, 4, 4, 32), (
+            "gradaccum.integrations.accelerate.Accumulator(accelerator, optimizer, model=model, "
+            "scheduler=lr_scheduler)",
+            "gradaccum.Accumulator(optimizer.optimizer, gradient_accumulation_steps, model=model, "
+            "scheduler=lr_scheduler, scaler=accelerator.scaler)"),
+            (BACKWARD, BACKWARD + "        lr_scheduler.step()\n"))

@@ -175,3 +175,23 @@ def test_accumulators_over_different_parameters_do_not_interfere():
     reference_steps(d_ref, sgd(d_ref), [(x, y)])
     assert_params_close(g, g_ref, torch.float64)
     assert_params_close(d, d_ref, torch.float64)
+
+
+def test_loading_an_empty_window_beside_a_live_holder_is_refused_before_any_change():
+    # Accepted before: the load set the shared .grad to None, and the holder then "stepped" with
+    # nothing (its window's first micro-batch lost, silently).
+    model = mlp()
+    ref = clone_model(model)
+    x, y = data(8)
+    empty = gradaccum.Accumulator(sgd(model), 2).state_dict()
+    first = gradaccum.Accumulator(sgd(model), 2)
+    feed(first, model, x[:4], y[:4])
+    second = gradaccum.Accumulator(sgd(model), 2)
+    held = grads(model)
+    with pytest.raises(RuntimeError, match=r"cannot load a state with an empty window: .* holds a partial "
+                                           r"window of 1 micro-batch.*would overwrite"):
+        second.load_state_dict(empty)
+    assert second.micro_step == 0 and same(grads(model), held)
+    assert feed(first, model, x[4:], y[4:])  # the holder's window is whole
+    reference_steps(ref, sgd(ref), [(x, y)])
+    assert_params_close(model, ref, torch.float64)

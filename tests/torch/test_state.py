@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from tests.reference import data, mlp
+from tests.reference import data, mlp, snapshot
 
 MICRO = 4
 
@@ -153,3 +153,113 @@ def test_tensor_counts_are_checked_like_numbers(n_items, message):
     with pytest.raises(ValueError, match=message):
         acc.backward(nn.functional.cross_entropy(model(x), y), n_items)
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+# -- a state the accumulator wrote always loads (a window keeps the size it opened with) ----------
+
+def _run(steps, ops, reload_after=()):
+    """Feed ``ops`` ("feed", ("epoch", e), ("resize", n)) to a fresh SGD accumulator, reloading its
+    state (through torch.save) into a new one after each op whose index is in ``reload_after``;
+    returns the parameters and what each feed returned."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(opt, steps)
+    x, y = data(MICRO * 12)
+    batches = iter(zip(x.split(MICRO), y.split(MICRO), strict=True))
+    returned = []
+    for i, op in enumerate(ops):
+        if op == "feed":
+            xb, yb = next(batches)
+            returned.append(acc.backward(nn.functional.cross_entropy(model(xb), yb)))
+        elif op[0] == "epoch":
+            acc.set_epoch(op[1])
+        else:
+            acc.resize_window(op[1])
+        if i in reload_after:
+            buf = io.BytesIO()
+            torch.save(acc.state_dict(), buf)
+            del acc
+            buf.seek(0)
+            acc = gradaccum.Accumulator(opt, steps)
+            acc.load_state_dict(torch.load(buf, weights_only=True))
+    return snapshot(model), returned, (acc.optimizer_steps, acc.micro_step, acc.steps)
+
+
+@pytest.mark.parametrize("steps, ops, cut", [
+    # the issue's cases: an epoch schedule's window carried into the epoch that gives 2 ...
+    (gradaccum.Schedule({0: 3, 1: 2}, by="epoch"), ["feed", ("epoch", 1), "feed", "feed", "feed", "feed"], 1),
+    # ... and AutoBatch's resize, then one micro-batch (saved with 1 of 5, built with steps=2)
+    (2, [("resize", 5), "feed", "feed", "feed", "feed", "feed", "feed", "feed"], 1),
+    (2, [("resize", 5), "feed", "feed", "feed", "feed", "feed", "feed", "feed"], 0),  # empty, resized
+    (gradaccum.Schedule({0: 3, 1: 2}, by="epoch"), ["feed", "feed", ("epoch", 1), "feed", "feed"], 2),
+])
+def test_a_state_written_mid_window_after_set_epoch_or_resize_loads_and_resumes_bitwise(steps, ops, cut):
+    # Refused in 0.3.0 ("size is 3, but steps=... gives 2 at epoch 1"); the window completes at the
+    # size it opened with, and the next one reads the schedule, as in a run that never stopped.
+    straight, fed, end = _run(steps, ops)
+    resumed, fed_resumed, end_resumed = _run(steps, ops, reload_after=(cut,))
+    assert fed_resumed == fed and end_resumed == end
+    assert sum(fed) == end[0] >= 1
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_the_resumed_windows_take_their_sizes_from_where_they_opened():
+    _, fed, end = _run(gradaccum.Schedule({0: 3, 1: 2}, by="epoch"),
+                       ["feed", ("epoch", 1), "feed", "feed", "feed", "feed"], reload_after=(1,))
+    assert fed == [False, False, True, False, True] and end == (2, 0, 2)  # 3, then 2
+    _, fed, end = _run(2, [("resize", 5)] + ["feed"] * 7, reload_after=(1,))
+    assert fed == [False] * 4 + [True, False, True] and end == (2, 0, 2)  # 5, then 2
+
+
+def _older(state, version):
+    """``state`` as gradaccum 0.3.0 (no ``opened_at``) or 0.2.0 (no ``basis`` either; the loss
+    sum saved times 1/N) wrote it."""
+    state = {**state, "window": dict(state["window"])}
+    del state["window"]["opened_at"]
+    if version == "0.2.0":
+        del state["window"]["basis"], state["window"]["scale"], state["window"]["terms"]
+        state["loss_sum"] = state["loss_sum"] / state["window"]["size"]
+    return state
+
+
+@pytest.mark.parametrize("version", ["0.3.0", "0.2.0"])
+def test_states_written_before_the_opening_count_was_recorded_still_load_bitwise(version):
+    x, y = data(8 * MICRO)
+    straight = mlp()
+    _, _, acc = build(straight)
+    feed(straight, acc, x, y, False)
+    first = mlp()
+    opt, sched, acc1 = build(first)
+    feed(first, acc1, x[:6 * MICRO], y[:6 * MICRO], False)
+    state = _older(acc1.state_dict(), version)
+    del acc1
+    opt.zero_grad(set_to_none=True)
+    acc2 = gradaccum.Accumulator(opt, 4, scheduler=sched)
+    acc2.load_state_dict(state)
+    assert (acc2.micro_step, acc2.steps) == (2, 4)
+    feed(first, acc2, x[6 * MICRO:], y[6 * MICRO:], False)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), first.parameters(), strict=True))
+    assert torch.equal(acc2.window_loss, acc.window_loss)
+
+
+@pytest.mark.parametrize("value, kind, message", [
+    (-1, ValueError, r"state\['window'\]\['opened_at'\] must be a non-negative integer"),
+    ("0", TypeError, r"state\['window'\]\['opened_at'\]"),
+    (1, ValueError, r"state\['window'\]\['size'\] is 3, but steps=.* gives 2 at epoch 1, where the "
+                    "window opened"),
+])
+def test_an_edited_opening_count_is_refused_before_any_change(value, kind, message):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = gradaccum.Schedule({0: 3, 1: 2}, by="epoch")
+    acc = gradaccum.Accumulator(opt, steps)
+    x, y = data(MICRO)
+    acc.backward(nn.functional.cross_entropy(model(x), y))
+    acc.set_epoch(1)
+    state = acc.state_dict()
+    state["window"]["opened_at"] = value
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(kind, match=message):
+        acc.load_state_dict(state)
+    assert (acc.micro_step, acc.steps) == (1, 3)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))

@@ -3,11 +3,13 @@
 Hypothesis drives random sequences of operations (``backward`` with every ``n_items`` form and
 both reductions, empty sum-reduced micro-batches, ``micro_batch`` blocks, ``mb.term`` windows,
 ``flush``, ``discard``, a checkpoint reloaded into a fresh accumulator mid-window, schedules that
-change ``steps``, clipping, an LR scheduler and a GradScaler that overflows on chosen
-micro-batches) through :class:`gradaccum.Accumulator` on a tiny float64 linear model and through
-:mod:`tests.torch.window_model`, which shares no code with the accumulator. After every
-operation the parameters (to 1e-12), the counters, the window loss and the return values agree,
-and an operation that completes no window leaves the parameters bitwise unchanged.
+change ``steps`` (by optimizer step or by epoch), ``set_epoch`` and ``resize_window`` (each
+followed by a reload: a state the accumulator wrote always loads), clipping, an LR scheduler and
+a GradScaler that overflows on chosen micro-batches) through :class:`gradaccum.Accumulator` on a
+tiny float64 linear model and through :mod:`tests.torch.window_model`, which shares no code with
+the accumulator. After every operation the parameters (to 1e-12), the counters, the window loss
+and the return values agree, and an operation that completes no window leaves the parameters
+bitwise unchanged.
 
 Profiles (tests/conftest.py): ``ci`` (the default: derandomized, 200 sequences) and ``slow``
 (10x: ``pytest tests/torch/test_window_model.py --hypothesis-profile=slow``). A failure prints
@@ -74,7 +76,7 @@ class WindowMachine(RuleBasedStateMachine):
     """The Accumulator and the reference, fed the same operations."""
 
     @initialize(
-        schedule=st.sampled_from(["1", "2", "3", "4", "map", "callable"]),
+        schedule=st.sampled_from(["1", "2", "3", "4", "map", "callable", "epochs"]),
         clip=st.sampled_from([None, None, 0.05, 2.0]),
         scheduler=st.booleans(),
         scaler=st.booleans(),
@@ -89,6 +91,9 @@ class WindowMachine(RuleBasedStateMachine):
             sizes = lambda s: 3 if s < 2 else 2 if s < 3 else 4  # noqa: E731
         elif schedule == "callable":
             spec = sizes = lambda s: 1 + s % 3
+        elif schedule == "epochs":
+            spec = gradaccum.Schedule({0: 3, 1: 2, 3: 4}, by="epoch")
+            sizes = lambda e: 3 if e < 1 else 2 if e < 3 else 4  # noqa: E731
         else:
             spec, size = int(schedule), int(schedule)
             sizes = lambda s: size  # noqa: E731
@@ -102,7 +107,8 @@ class WindowMachine(RuleBasedStateMachine):
         self.scaler = (torch.amp.GradScaler("cpu", init_scale=SCALE0, growth_interval=10**9)
                        if scaler else None)
         self.acc = self._new_accumulator()
-        self.ref = Reference(w, b, sizes, clip, scheduler, SCALE0 if scaler else None)
+        self.ref = Reference(w, b, sizes, clip, scheduler, SCALE0 if scaler else None,
+                             by="epoch" if schedule == "epochs" else "step")
         self.before: list[torch.Tensor] = []
 
     def _new_accumulator(self) -> gradaccum.Accumulator:
@@ -231,6 +237,29 @@ class WindowMachine(RuleBasedStateMachine):
             warnings.simplefilter("error")  # a resume that warns would be a finding
             self.acc.load_state_dict(state)
 
+    @rule(epoch=st.integers(0, 4))
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch (any schedule; only an epoch schedule's size follows it), then a reload."""
+        self._snapshot()
+        self.acc.set_epoch(epoch)
+        self.ref.set_epoch(epoch)
+        self._unchanged_unless(False)
+        self.reload()
+
+    @precondition(lambda self: not self.ref.window.parts)
+    @rule(size=st.integers(1, 5))
+    def resize_window(self, size: int) -> None:
+        """AutoBatch's call on an empty window, then a reload."""
+        self.acc.resize_window(size)
+        self.ref.resize(size)
+        self.reload()
+
+    @precondition(lambda self: bool(self.ref.window.parts))
+    @rule(size=st.integers(1, 5))
+    def resizing_a_started_window_is_refused(self, size: int) -> None:
+        with pytest.raises(ValueError, match="needs an empty window"):
+            self.acc.resize_window(size)
+
     @precondition(lambda self: self._weighting() == "mean" and not self.ref.window.terms)
     @rule(piece=pieces)
     def mixing_is_refused(self, piece: Piece) -> None:
@@ -254,6 +283,7 @@ class WindowMachine(RuleBasedStateMachine):
         assert acc.steps == ref.window.size
         assert acc.optimizer_steps == ref.optimizer_steps
         assert acc.skipped_windows == ref.skipped_windows
+        assert acc.epoch == ref.epoch
         w, b = self.model.weight.detach().numpy(), self.model.bias.detach().numpy()
         np.testing.assert_allclose(w, ref.w, rtol=0, atol=1e-12)
         np.testing.assert_allclose(b, ref.b, rtol=0, atol=1e-12)

@@ -13,7 +13,10 @@ squared error in numpy, and the window rules are written here from the documente
 * at the boundary: clip the global L2 norm (``coef = min(1, c / (norm + 1e-6))``), skip the
   window if a GradScaler found an inf (the scale halves), else step SGD, then the LR scheduler
   (StepLR: halved every 2 optimizer steps); the window size comes from the schedule at the
-  window's opening, read with the optimizer steps taken.
+  window's opening, read with the optimizer steps taken (or, for an epoch schedule, the epoch
+  last set), and a window keeps that size to its boundary;
+* ``set_epoch`` gives an empty window the new epoch's size at once, a started one keeps its own;
+  ``resize_window`` gives an empty window any size, and the next window reads the schedule again.
 """
 
 from __future__ import annotations
@@ -82,21 +85,35 @@ class Reference:
 
     Args:
         w, b: initial parameters (copied).
-        sizes: the window size as a function of optimizer steps taken.
+        sizes: the window size as a function of optimizer steps taken (of the epoch when
+            ``by="epoch"``).
         clip: the clip norm or None.
         scheduler: halve the LR every 2 optimizer steps.
         scaler_scale: the GradScaler's initial scale, or None without a scaler.
     """
 
     def __init__(self, w: np.ndarray, b: np.ndarray, sizes, clip: float | None, scheduler: bool,
-                 scaler_scale: float | None) -> None:
+                 scaler_scale: float | None, by: str = "step") -> None:
         self.w, self.b = w.astype(np.float64).copy(), b.astype(np.float64).copy()
-        self.sizes, self.clip, self.scheduler = sizes, clip, scheduler
+        self.sizes, self.clip, self.scheduler, self.by = sizes, clip, scheduler, by
         self.scale = scaler_scale
         self.optimizer_steps = 0
         self.skipped_windows = 0
+        self.epoch = 0
         self.window_loss: float | None = None
         self.window = RefWindow(sizes(0))
+
+    def _next_size(self) -> int:
+        return self.sizes(self.epoch if self.by == "epoch" else self.optimizer_steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if not self.window.parts:
+            self.window = RefWindow(self._next_size())
+
+    def resize(self, size: int) -> None:
+        assert not self.window.parts
+        self.window = RefWindow(size)
 
     # -- feeding ---------------------------------------------------------------------------
     def lr(self) -> float:
@@ -142,7 +159,7 @@ class Reference:
         return self._close()
 
     def discard(self) -> None:
-        self.window = RefWindow(self.sizes(self.optimizer_steps))
+        self.window = RefWindow(self._next_size())
 
     def _close(self) -> bool:
         parts = self.window.parts
@@ -169,5 +186,5 @@ class Reference:
             self.optimizer_steps += 1
         else:
             self.skipped_windows += 1
-        self.window = RefWindow(self.sizes(self.optimizer_steps))
+        self.window = RefWindow(self._next_size())
         return stepped

@@ -12,7 +12,8 @@ window (``benchmarks/hot_path.py`` times them; ``tests/bench/test_hot_path.py`` 
   :func:`gradaccum.count_tokens` (made inside the loop, as in the hand token loop).
 
 Ops are counted with a ``TorchDispatchMode``: each is a kernel launch on a GPU, so the count is
-the machine-independent half of the cost.
+the machine-independent half of the cost. :func:`window_checks` gives the Python time of the
+accumulator's once-per-window gradient checks (no aten op: they read attributes only).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradaccum
 
-__all__ = ["LOOPS", "STEPS", "OpCounter", "make_loops", "ops_per_micro_step"]
+__all__ = ["LOOPS", "STEPS", "OpCounter", "make_loops", "ops_per_micro_step", "window_checks"]
 
 STEPS = 4
 LOOPS = ("hand mean", "gradaccum mean", "hand tokens", "gradaccum int", "gradaccum tensor")
@@ -135,3 +136,47 @@ def ops_per_micro_step(run: Callable[[], None], windows: int = 3) -> float:
         for _ in range(windows):
             run()
     return float(counter.count) / (windows * STEPS)
+
+
+def window_checks(tensors: int, repeats: int = 2000) -> dict[str, float]:
+    """Microseconds of the accumulator's once-per-window gradient checks (torch/_window_grads.py)
+    for a model of ``tensors`` parameter tensors, medians of ``repeats`` interleaved rounds: the
+    stale-gradient check at a window's first micro-batch (every ``.grad`` None, as after a
+    boundary), the record after it and the check before the last (every ``.grad`` present).
+
+    Example:
+        >>> sorted(window_checks(2, repeats=3))
+        ['check', 'record', 'stale check']
+    """
+    from gradaccum.bench.measure import interleaved
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)], *[nn.LayerNorm(4)][: tensors % 2])
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    checks = acc._guard.grads
+    x = torch.randn(2, 4)
+    acc.backward(model(x).pow(2).mean())  # every .grad present, the record taken
+    grads = [p.grad for p in model.parameters()]
+
+    def stale() -> None:
+        for p in model.parameters():
+            p.grad = None
+        checks.check_clean()
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+
+    def unset() -> None:  # the loop of stale() without the check, subtracted from it
+        for p in model.parameters():
+            p.grad = None
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+
+    def check() -> None:
+        checks.record(1)
+        checks.check(1, 2)
+
+    t = interleaved({"stale": stale, "unset": unset, "record": lambda: checks.record(1), "check": check},
+                    repeats=repeats, calls=1)
+    us = {name: t.median(name) * 1e6 for name in t.samples}
+    acc.discard()
+    return {"stale check": max(us["stale"] - us["unset"], 0.0), "record": us["record"],
+            "check": max(us["check"] - us["record"], 0.0)}

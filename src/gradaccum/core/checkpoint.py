@@ -136,7 +136,13 @@ def window_from_record(w: Any) -> Window:
     basis = w.get("basis")
     if isinstance(basis, (bool, str)) or (isinstance(basis, Real) and not nonneg_finite(basis)):
         raise ValueError(f"state['window']['basis'] must be None or a finite number >= 0, got {basis!r}")
-    return Window(size, micro, weighting, items, scale, summed, basis, terms=_terms_from_record(w, micro))
+    # Where the size came from: the count the schedule gave it at, or None (resized, or a state
+    # written before it was recorded: its size is taken as saved).
+    opened_at = w.get("opened_at")
+    if opened_at is not None:
+        check_nonneg_int("state['window']['opened_at']", opened_at)
+    return Window(size, micro, weighting, items, scale, summed, basis, terms=_terms_from_record(w, micro),
+                  opened_at=opened_at)
 
 
 def _terms_from_record(w: Any, micro: int) -> tuple[TermSlot, ...]:

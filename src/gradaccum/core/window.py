@@ -87,6 +87,9 @@ class Window(NamedTuple):
             ``sum(loss * weight) / denominator`` (:meth:`loss_denominator`).
         terms: the record of the window's terms of their own total (``mb.term``), one
             :class:`gradaccum.core.terms.TermSlot` per slot; a window holding one runs full.
+        opened_at: the count (optimizer steps, or the epoch of an epoch schedule) at which the
+            schedule gave ``size``; ``None`` when ``size`` came from elsewhere (a resize). A
+            window keeps its size to its boundary, whatever the schedule gives later.
 
     Example:
         >>> w = Window.open(2)
@@ -108,15 +111,17 @@ class Window(NamedTuple):
     basis: Any = None
     losses: tuple[tuple[Any, Any], ...] = ()
     terms: tuple[Any, ...] = ()
+    opened_at: int | None = None
 
     @classmethod
-    def open(cls, size: int, basis: Any = None) -> Window:
-        """An empty window of ``size`` micro-batches, carrying ``basis`` from the last one.
+    def open(cls, size: int, basis: Any = None, opened_at: int | None = None) -> Window:
+        """An empty window of ``size`` micro-batches, carrying ``basis`` from the last one;
+        ``opened_at`` is the count the schedule gave ``size`` at (:attr:`opened_at`).
 
         Raises:
             TypeError, ValueError: ``size`` is not an integer >= 1 (the message names ``steps``).
         """
-        return cls(check_positive_int("steps", size), basis=basis)
+        return cls(check_positive_int("steps", size), basis=basis, opened_at=opened_at)
 
     @property
     def empty(self) -> bool:
@@ -188,7 +193,7 @@ class Window(NamedTuple):
         # A plain constructor call (no validation, no _replace): this runs on every micro-step.
         return Window(self.size, self.micro_step + 1, weighting, items,
                       self.scale if self.micro_step else scale, self.summed or summed, self.basis,
-                      self.losses + losses, self.terms)
+                      self.losses + losses, self.terms, self.opened_at)
 
     def grad_factor(self, items: Any = None) -> Any:
         """Factor that turns the accumulated gradient into the window's gradient.
@@ -249,7 +254,8 @@ class Window(NamedTuple):
     def resized(self, size: int) -> Window:
         """Return this window with another size; only an empty window may change size.
 
-        The same size leaves the window as it is (micro-batches included).
+        The same size leaves the window as it is (micro-batches included); another one makes
+        an empty window whose size no count gave (``opened_at`` None).
 
         Raises:
             ValueError: the window already holds micro-batches (a size change waits for the

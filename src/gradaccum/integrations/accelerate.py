@@ -9,6 +9,7 @@ optimizer, scheduler and dataloader, ``if accelerator.sync_gradients:`` after ea
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,9 +17,48 @@ import torch
 
 from gradaccum.integrations._resume import ResumeCheck
 from gradaccum.torch import Accumulator as _Accumulator
+from gradaccum.torch._boundary import Outcome
 from gradaccum.torch._validate import Items, Reduction, Scheduler
 
 __all__ = ["Accumulator"]
+
+
+class _OwnSteps:
+    """Put in place of a prepared scheduler's ``step``: only the accumulator's call steps it.
+
+    After a window's last micro-batch the adapter sets ``accelerator.sync_gradients``, and
+    Accelerate's scheduler steps whenever that flag is set: the example's own
+    ``lr_scheduler.step()`` left in the loop stepped it a second time per window. Calls from the
+    loop are no-ops now, as the prepared optimizer's ``step()`` and ``zero_grad()`` are once the
+    boundary has cleared the gradients. Once its accumulator is gone, ``step`` is the scheduler's.
+    """
+
+    def __init__(self, step: Callable[..., Any], owner: Any) -> None:
+        self.step = step
+        self.owner = weakref.ref(owner)
+        self.open = False  # True while the accumulator steps it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.open or self.owner() is None:
+            return self.step(*args, **kwargs)
+        return None
+
+
+def _own_steps(scheduler: Any, owner: Any) -> _OwnSteps | None:
+    """Install (or, for a scheduler a former adapter had, take over) the gate on a prepared
+    scheduler's ``step``. A plain torch scheduler keeps its own (its ``state_dict`` would save the
+    gate); the accumulator then refuses a step made outside it, at the next window."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if not isinstance(scheduler, AcceleratedScheduler):
+        return None
+    gate = vars(scheduler).get("step")
+    if isinstance(gate, _OwnSteps):
+        gate.owner = weakref.ref(owner)
+        return gate
+    gate = _OwnSteps(scheduler.step, owner)
+    scheduler.step = gate
+    return gate
 
 
 class Accumulator(_Accumulator):
@@ -41,7 +81,10 @@ class Accumulator(_Accumulator):
 
     Call ``acc.backward(loss, n_items=...)`` instead of ``accelerator.backward(loss)`` and drop
     ``accelerator.accumulate`` and the ``optimizer.step()``, ``lr_scheduler.step()`` and
-    ``optimizer.zero_grad()`` calls: the accumulator makes them once per window.
+    ``optimizer.zero_grad()`` calls: the accumulator makes them once per window. Left in the loop,
+    they change nothing: the prepared optimizer's find no gradient after the boundary, and the
+    scheduler's ``step`` only passes the accumulator's own call (the adapter puts a gate in place
+    of ``scheduler.step``).
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model`` and ``optimizer``.
@@ -50,7 +93,8 @@ class Accumulator(_Accumulator):
         model: the prepared model (DistributedDataParallel under ``accelerate launch``: one
             gradient sync per window, and ``n_items`` summed over the ranks).
         scheduler: the prepared LR scheduler (stepped once per window; Accelerate's wrapper steps
-            the schedule once per process, as without accumulation), or None.
+            the schedule once per process, as without accumulation), or None. Its ``step()``
+            called from the loop does nothing from then on (the accumulator's passes).
         **options: the other keyword arguments of :class:`gradaccum.Accumulator` (``clip_norm``,
             ``accum_dtype``, ``skip_nonfinite``, ``sync``); not ``scaler``, which is the
             accelerator's.
@@ -86,6 +130,7 @@ class Accumulator(_Accumulator):
         super().__init__(raw, accelerator.gradient_accumulation_steps if steps is None else steps,
                          model=model, scheduler=scheduler, scaler=accelerator.scaler, **options)
         self._gradient_state = accelerator.gradient_state
+        self._own_steps = None if scheduler is None else _own_steps(scheduler, self)
         accelerator.register_for_checkpointing(self)
         self._resume = ResumeCheck(accelerator)  # the data's order around save_state / load_state
 
@@ -133,6 +178,17 @@ class Accumulator(_Accumulator):
         stepped = super().flush()
         self._gradient_state.sync_gradients = self.windows != windows
         return stepped
+
+    def _count(self, out: Outcome) -> None:
+        """The boundary's bookkeeping, with the scheduler's gate open for its step."""
+        gate = self._own_steps
+        if gate is None:
+            return super()._count(out)
+        gate.open = True
+        try:
+            super()._count(out)
+        finally:
+            gate.open = False
 
     def _fed(self, feed: Callable[[], bool]) -> bool:
         """Run one feeding call with Accelerate's flags around it (``sync_gradients`` True while

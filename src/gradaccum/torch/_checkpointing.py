@@ -61,16 +61,24 @@ class Checkpointing:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
 
+        The window resumes at the size it was saved with (the one it opened with: a window
+        carried into a new epoch by :meth:`set_epoch`, or sized by :meth:`resize_window`, keeps
+        it); the next window reads the schedule. Every state :meth:`state_dict` writes loads
+        into an accumulator built the same way.
+
         Raises:
             TypeError, ValueError: a field is missing, of the wrong type or out of range (the
                 message names the key), or the state comes from an accumulator with another
                 ``steps`` or other parameters; nothing is changed then.
+            RuntimeError: another live accumulator holds a partial window over these parameters
+                (loading would overwrite its gradients); nothing is changed.
         """
         window = check_state(state, self.schedule.describe(), self._params)
-        self._check_size(window.size, state)
+        self._check_size(window)
         self._precision.check_state(state.get("accum"))
-        if not window.empty:
-            self._holders.refuse_overlap(self, "load a partial window")
+        # Loading sets the shared .grad (to None for an empty window): never under another's window.
+        self._holders.refuse_overlap(self, "load a partial window" if not window.empty else
+                                     "load a state with an empty window", "overwrite")
         restore_grads(self._params, state["grads"])
         self._partial = None  # every gradient and the window are the state's
         self._precision.load_state_dict(state.get("accum"))
@@ -81,14 +89,21 @@ class Checkpointing:
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
         self._holders.adopt()
-        self._guard.note() if not self._window.empty else self._guard.forget()
+        self._guard.resume(self._window.micro_step)
 
-    def _check_size(self, size: int, state: dict[str, Any]) -> None:
-        """A saved window's size is the one ``steps`` gives at the saved count (else the window
-        would never complete, or complete early)."""
-        by_epoch = self.schedule.by == "epoch"
-        count = state["epoch" if by_epoch else "optimizer_steps"]
-        want = self.schedule(count)
-        if size != want:
-            raise ValueError(f"state['window']['size'] is {size}, but steps={self.schedule.describe()!r} "
-                             f"gives {want} at {'epoch' if by_epoch else 'optimizer step'} {count}")
+    def _check_size(self, window: Window) -> None:
+        """A saved window's size is the one ``steps`` gave when it opened (else the window would
+        never complete, or complete early). A window keeps its size to its boundary: the count
+        checked is the one it opened at, not the saved counters (an epoch schedule's window
+        carried into the next epoch). A resized window (``resize_window``, AutoBatch), or one
+        saved before the count was recorded (gradaccum 0.3.0 and older), is taken as saved."""
+        at = window.opened_at
+        if at is None:
+            return
+        want = self.schedule(at)
+        if window.size != want:
+            count = "epoch" if self.schedule.by == "epoch" else "optimizer step"
+            raise ValueError(f"state['window']['size'] is {window.size}, but steps="
+                             f"{self.schedule.describe()!r} gives {want} at {count} {at}, where "
+                             "the window opened (state['window']['opened_at']): not a state this "
+                             "accumulator wrote; resume from an unedited Accumulator.state_dict()")

@@ -18,7 +18,7 @@ import torch
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
 from gradaccum.torch._cached import CachedBackward
-from gradaccum.torch._guards import Guard
+from gradaccum.torch._guards import Guard, refuse_entry
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
@@ -54,6 +54,7 @@ class Feeds:
     _guard: Guard
     _cached: CachedBackward
     _partial: str | None  # what the backward_cached call that left the window partly accumulated raised
+    _entered: bool
 
     def _before_feed(self, window: Window) -> None:
         raise NotImplementedError  # Accumulator's
@@ -99,16 +100,22 @@ class Feeds:
             True
         """
         n = check_items(n_items, reduction)
-        self._before_feed(self._window)
+        if self._entered:
+            refuse_entry("backward_cached")
+        self._entered = True
         try:
-            window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
-        except BaseException as e:
-            if self._cached.partial:
-                text = str(e)
-                self._partial = f"{type(e).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
-            raise
-        self._guard.note()
-        return self._commit(window)
+            self._before_feed(self._window)
+            try:
+                window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+            except BaseException as e:
+                if self._cached.partial:
+                    text = str(e)
+                    self._partial = f"{type(e).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+                raise
+            self._guard.note_passes(self._cached.passes, self._cached.loss_params)
+            return self._commit(window)
+        finally:
+            self._entered = False
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -137,7 +144,18 @@ class Feeds:
             True
         """
         n = check_items(n_items, reduction)
-        summed = reduction == "sum"
+        if self._entered:
+            refuse_entry("micro_batch")
+        self._entered = True
+        try:
+            with self._micro_batch(n, reduction == "sum") as mb:
+                yield mb
+        finally:
+            self._entered = False
+
+    @contextmanager
+    def _micro_batch(self, n: Any, summed: bool) -> Iterator[MicroBatch]:
+        """The block of :meth:`micro_batch` (which holds the entry flag around it)."""
         window = self._window
         self._before_feed(window)
         term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
@@ -157,6 +175,6 @@ class Feeds:
 
         with micro_batch_block(run, weigh) as mb:
             yield mb
-        self._guard.note()
+        self._guard.note_passes(len(mb.parts))
         mb.stepped = self._commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                                    terms=add_terms(pending.terms, fed)))

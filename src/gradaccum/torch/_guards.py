@@ -1,10 +1,10 @@
-"""The commonest porting mistake, caught: your own ``optimizer.step()`` or ``zero_grad()`` inside an
-open window.
+"""The commonest porting mistakes, caught: your own ``optimizer.step()``, ``zero_grad()`` or
+``scheduler.step()`` beside the accumulator's.
 
-A hand-written loop ported to the accumulator often keeps its ``optimizer.step()`` and
-``optimizer.zero_grad()`` lines. Mid-window, the first applies a partial gradient (scaled by
-``1/N``) and the second throws the window's gradient away; nothing fails, the training is just
-wrong. Two cheap guards:
+A hand-written loop ported to the accumulator often keeps its ``optimizer.step()``,
+``optimizer.zero_grad()`` and ``scheduler.step()`` lines. Mid-window, the first applies a partial
+gradient (scaled by ``1/N``) and the second throws the window's gradient away; the third steps a
+scheduler the accumulator steps too. Nothing fails, the training is just wrong. Cheap guards:
 
 * a **step pre-hook** on the optimizer refuses a step the accumulator does not make while its
   window is open: a ``RuntimeError`` before the optimizer changes anything. (A step after a
@@ -15,6 +15,14 @@ wrong. Two cheap guards:
   the next micro-batch is refused before its backward. Reads of two attributes per micro-step, no
   kernel. Where the window's gradients do not live in ``.grad`` (FSDP2 with ``sync="window"``,
   ``accum_dtype`` buffers), the probe finds no gradient and checks nothing.
+* every parameter's gradient, once per window (``torch/_window_grads.py``): none left over at the
+  window's first micro-batch, none changed outside the accumulator before its last.
+* the **scheduler** given as ``scheduler=``: its ``last_epoch`` (an int) is read after the
+  accumulator's own step (or at the first window's first micro-batch), and again at the next
+  window's first micro-batch and at the boundary, before anything changes. A count that moved
+  forward in between is a ``scheduler.step()`` of your own: ``RuntimeError``, naming the fix. A
+  scheduler without an integer ``last_epoch`` is not checked; ``load_state_dict`` starts over (a
+  scheduler's state is loaded beside it).
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["Guard"]
+from gradaccum.torch._window_grads import WindowGrads
+
+__all__ = ["Guard", "exact_grads", "refuse_entry"]
 
 # Hooks of dropped accumulators, taken off when the next Guard is made: an accumulator can be
 # collected while the optimizer iterates over its hooks (a collection triggered inside one),
@@ -41,14 +51,22 @@ class Guard:
         owner: the accumulator (held weakly; its ``micro_step`` and ``steps`` are read).
         optimizer: the optimizer it steps.
         params: its parameters, in order.
+        scheduler: its ``scheduler=``, or None.
+        model: its ``model=`` (names parameters in messages), or None.
+        exact: no cross-rank reduction rewrites ``.grad`` before a window's last micro-batch.
     """
 
-    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
         self._params = params
-        self._probe: torch.Tensor | None = None
+        self._probe: torch.Tensor | None = None  # None: the window's first note() is to come
         self._seen = -1  # the probe's .grad version after the last backward (-1: none)
         self._own = False
+        self.grads = WindowGrads(params, model, exact)
+        self._scheduler = scheduler
+        self._scheduled: int | None = None  # the scheduler's last_epoch as the accumulator left it
         ref = weakref.ref(owner)
+        self._owner = ref
 
         def refuse_foreign_step(opt: Any, args: Any, kwargs: Any) -> None:
             acc = ref()
@@ -70,48 +88,153 @@ class Guard:
 
     @contextmanager
     def own_step(self) -> Iterator[None]:
-        """The accumulator's own boundary: its optimizer step passes the hook."""
+        """The accumulator's own boundary: its optimizer step passes the hook (a scheduler
+        stepped outside it is refused first)."""
+        self.check_scheduler("this window is dropped: its gradients are cleared")
         self._own = True
         try:
             yield
         finally:
             self._own = False
 
+    def check_first(self) -> None:
+        """Before a window's first micro-batch: no stale gradient, no scheduler step of yours.
+
+        Raises:
+            RuntimeError: naming what was found and the fix; nothing has changed.
+        """
+        self.grads.check_clean()
+        if self._scheduled is None:
+            self.scheduled()
+        else:
+            self.check_scheduler("nothing has changed")
+
     def note(self) -> None:
-        """After a micro-batch's backward: remember the probe's gradient version."""
+        """After a micro-batch's backward: remember the probe's gradient version (and, after a
+        window's first micro-batch, every gradient: :class:`WindowGrads`)."""
         p = self._probe
         if p is None:
-            p = self._probe = next((q for q in self._params if q.grad is not None), None)
-            if p is None:
-                return
+            p = self._start()
         g = p.grad
         self._seen = -1 if g is None else g._version
+
+    def note_passes(self, passes: int, more: Sequence[torch.Tensor] = ()) -> None:
+        """:meth:`note` for a micro-batch of ``passes`` backward passes (not one), and one more
+        into each parameter of ``more``."""
+        self.grads.add_passes(passes, more)
+        self.note()
+
+    def _start(self, fed: int | None = None) -> torch.Tensor:
+        """The window's first note: record every gradient (``fed``: micro-batches in the window,
+        by default the one being committed), pick the probe (the first parameter holding a
+        gradient; the first parameter when none does, which then checks nothing)."""
+        if fed is None:
+            acc = self._owner()
+            fed = 1 if acc is None else acc.micro_step + 1  # note() runs before the commit
+        self.grads.record(fed)
+        p = next((q for q in self._params if q.grad is not None), None)
+        if p is None:
+            p = self._params[0] if self._params else torch.empty(0)
+        self._probe = p
+        return p
+
+    def resume(self, micro_step: int) -> None:
+        """After ``load_state_dict``: record the loaded window's gradients (none when empty);
+        the scheduler's count is read again at the next window."""
+        self.forget()
+        self._scheduled = None
+        if micro_step:
+            self._start(micro_step)
+            self.note()
 
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""
         self._seen = -1
+        self._probe = None
+        self.grads.forget()
 
     def check(self, micro_step: int, steps: int) -> None:
         """Before a later micro-batch's backward: raise if the window's gradients changed
-        outside the accumulator since the last one.
+        outside the accumulator since the last one (the probe; every gradient before the last).
 
         Raises:
             RuntimeError: naming the likely calls and what to do.
         """
-        if self._seen < 0:
+        if self._seen >= 0:
+            g = self._probe.grad  # type: ignore[union-attr]
+            if g is None or g._version != self._seen:
+                what = "cleared" if g is None else "changed in place"
+                raise RuntimeError(
+                    f"the window's gradients were {what} outside the accumulator after micro-batch "
+                    f"{micro_step} of {steps}: optimizer.zero_grad() or model.zero_grad() (or clipping "
+                    "the gradients) inside an open window. The accumulator clears, clips and steps "
+                    "once per window, when acc.backward() completes it: remove those calls, then "
+                    "acc.discard() this window (its gradients are lost)")
+        if micro_step + 1 >= steps:
+            self.grads.check(micro_step, steps)
+
+    def step_scheduler(self, scheduler: Any) -> None:
+        """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises)."""
+        try:
+            scheduler.step()
+        finally:
+            self.scheduled()
+
+    def scheduled(self) -> None:
+        """Remember the scheduler's count as the accumulator leaves it."""
+        if self._scheduler is not None:
+            self._scheduled = _schedule_count(self._scheduler)
+
+    def check_scheduler(self, then: str) -> None:
+        """Raise if the scheduler moved since the accumulator left it (``then``: what the error
+        leaves behind).
+
+        Raises:
+            RuntimeError: naming the fix.
+        """
+        seen = self._scheduled
+        if seen is None:
             return
-        g = self._probe.grad  # type: ignore[union-attr]
-        if g is not None and g._version == self._seen:
+        now = _schedule_count(self._scheduler)
+        if now is None or now <= seen:
             return
-        what = "cleared" if g is None else "changed in place"
         raise RuntimeError(
-            f"the window's gradients were {what} outside the accumulator after micro-batch "
-            f"{micro_step} of {steps}: optimizer.zero_grad() or model.zero_grad() (or clipping the "
-            "gradients) inside an open window. The accumulator clears, clips and steps once per "
-            "window, when acc.backward() completes it: remove those calls, then acc.discard() this "
-            "window (its gradients are lost)")
+            f"scheduler.step() was called outside the accumulator: the scheduler's last_epoch is {now}, "
+            f"its step at the last boundary left it at {seen}. Accumulator(..., scheduler=...) steps it "
+            "once per optimizer step itself: remove your own scheduler.step(), or do not pass "
+            f"scheduler= (and step it when acc.backward() returns True); {then}")
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
         optimizer when the next accumulator is made."""
         _RETIRED.append(self._handle)
+
+
+def _schedule_count(scheduler: Any) -> int | None:
+    """An LR scheduler's ``last_epoch`` (Accelerate's wrapper: the wrapped one's), or None."""
+    count = getattr(getattr(scheduler, "scheduler", scheduler), "last_epoch", None)
+    return count if type(count) is int else None
+
+
+def exact_grads(sync: Any) -> bool:
+    """True when nothing but the accumulator's backward passes changes ``.grad`` before a window's
+    last micro-batch: no reduction in every backward (``sync="micro_batch"``), nor one the
+    accumulator does not control (``sync="local"`` under a process group of several ranks, where
+    a DDP model not given as ``model=`` reduces each backward itself)."""
+    if sync.world_size > 1:
+        return getattr(sync, "mode", "window") != "micro_batch"
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def refuse_entry(method: str) -> NoReturn:
+    """Refuse a feeding call (or flush) while another one of the same accumulator runs.
+
+    Raises:
+        RuntimeError: always, naming the two ways in and the fix; nothing has changed.
+    """
+    raise RuntimeError(
+        f"acc.{method}() was called while another call of this accumulator is still running: from "
+        "another thread (an Accumulator is not thread-safe: feed it from one thread, and hand it "
+        "the losses through a queue if they are computed elsewhere), or from inside its own "
+        "acc.micro_batch() block (use mb.backward() there). Nothing has changed")

@@ -69,8 +69,10 @@ class Holders:
         if _ORPHANED:
             self._discard_orphans()
 
-    def refuse_overlap(self, owner: Any, doing: str = "open a window") -> None:
-        """Raise if another live accumulator holds a partial window over these parameters.
+    def refuse_overlap(self, owner: Any, doing: str = "open a window",
+                       effect: str = "apply and then zero") -> None:
+        """Raise if another live accumulator holds a partial window over these parameters
+        (``doing``: what ``owner`` was about to do; ``effect``: what that would do to it).
 
         Raises:
             RuntimeError: naming both accumulators and what to do.
@@ -86,7 +88,7 @@ class Holders:
             raise RuntimeError(
                 f"{owner!r} (id {id(owner):#x}) cannot {doing}: {other!r} (id {id(other):#x}) holds a "
                 f"partial window of {held} micro-batch(es) over the same parameters, in the same "
-                ".grad, which this one would apply and then zero. Nothing has changed: flush() or "
+                f".grad, which this one would {effect}. Nothing has changed: flush() or "
                 "discard() the other one first, or use one accumulator per set of parameters (for "
                 "loss terms of different normalizers: acc.micro_batch() and mb.term(loss, n_items, "
                 "total=T))")

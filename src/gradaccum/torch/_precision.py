@@ -237,7 +237,9 @@ class Precision:
     def abort(self) -> None:
         """After an exception at the boundary: close the scaler's window if ``unscale_`` ran but
         ``update`` did not, so the next window can unscale again (the scale backs off on an inf,
-        as after any step)."""
+        as after any step). The window's ``stepped_before_error`` has been read: it is reset, so
+        a later boundary that fails before its step is not counted as one."""
+        self.stepped_before_error = False
         if self._unscaled and self._scaler is not None:
             self._unscaled = False
             self._scaler.update()

@@ -43,7 +43,8 @@ def pack_state(window: Window, steps: Any, counters: dict[str, int], window_loss
                    "items": clone_scalar(window.items), "scale": clone_scalar(window.scale),
                    "summed": window.summed, "basis": clone_scalar(window.basis),
                    "terms": [[clone_scalar(t.total), clone_scalar(t.items), clone_scalar(t.stray), t.blocks]
-                             for t in window.terms]},
+                             for t in window.terms],
+                   "opened_at": window.opened_at},
         **counters,
         "loss_sum": clone_scalar(weighted_sum(window.losses)),
         "window_loss": clone_scalar(window_loss),

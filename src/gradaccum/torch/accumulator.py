@@ -15,7 +15,7 @@ from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._checkpointing import Checkpointing
 from gradaccum.torch._feeds import Feeds, refuse_partial
-from gradaccum.torch._guards import Guard
+from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import WindowHooks
 from gradaccum.torch._micro_batch import MicroBatch
@@ -60,7 +60,8 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
             (``fully_shard``) module gets one gradient sync per window (docs/DISTRIBUTED.md).
         clip_norm: clip the window gradient's global L2 norm to this value (``None``: no clip).
         scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
-            optimizer step (step ReduceLROnPlateau yourself when :meth:`backward` returns True).
+            optimizer step (step ReduceLROnPlateau yourself when :meth:`backward` returns True);
+            a ``scheduler.step()`` of your own beside it raises at the next window.
         scaler: a ``torch.amp.GradScaler``; pass the *unscaled* loss to :meth:`backward`.
         accum_dtype: ``torch.float32`` to sum bf16/fp16 gradients in float32 buffers (not under
             DDP/FSDP).
@@ -71,7 +72,8 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
 
     A skipped window (non-finite gradient, or a summed window of 0 items) changes no parameter
     and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
-    starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures").
+    starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures"). An
+    accumulator is not thread-safe: feed it from one thread (a concurrent call raises).
 
     Attributes:
         optimizer_steps: optimizer updates made so far (windows applied, not skipped).
@@ -99,6 +101,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
     """
 
     _window: Window
+    _entered = False  # a feeding call (or flush) is running: another one is refused
 
     def __init__(
         self,
@@ -143,7 +146,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         self._partial: str | None = None
         self._warned_no_grad = False
         self._holders = Holders(self, params, _open_steps)
-        self._guard = Guard(self, optimizer, params)
+        self._guard = Guard(self, optimizer, params, scheduler, model, exact_grads(self._sync))
         self._cached = CachedBackward(params, self._precision, self._sync, model)
         self._open_window(None)
 
@@ -202,20 +205,28 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         Raises:
             TypeError, ValueError: a bad ``loss``, ``n_items`` or ``reduction``, or a window that
                 would mix weightings; raised before anything changes.
+            RuntimeError: a stale or edited gradient, your own ``scheduler.step()``, another
+                accumulator's window, a concurrent call (docs/GUIDE.md, "Errors").
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        summed = reduction == "sum"
-        window = self._window
-        self._before_feed(window)
-        term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
-        nxt = window.advance(term, scale=scale, summed=summed,
-                             losses=((loss.detach(), 1 if n is None or summed else n),))
-        if not isinstance(n, torch.Tensor):
-            check_total(nxt.items)
-        self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
-        self._guard.note()
-        return self._commit(nxt)
+        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
+            refuse_entry("backward")
+        self._entered = True
+        try:
+            summed = reduction == "sum"
+            window = self._window
+            self._before_feed(window)
+            term, scale = window_term(window, n, self._precision.overflow_prone, self._sync)
+            nxt = window.advance(term, scale=scale, summed=summed,
+                                 losses=((loss.detach(), 1 if n is None or summed else n),))
+            if not isinstance(n, torch.Tensor):
+                check_total(nxt.items)
+            self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
+            self._guard.note()
+            return self._commit(nxt)
+        finally:
+            self._entered = False
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -224,19 +235,25 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         Raises:
             ValueError: under DDP/FSDP2, the ranks hold windows of different lengths (raised on
                 every rank, before anything changes).
-            RuntimeError: a ``backward_cached`` call left the window partly accumulated
-                (:meth:`discard` it).
+            RuntimeError: a gradient edited during the window, a concurrent call, or a
+                ``backward_cached`` call that left the window partly accumulated (:meth:`discard`
+                it); nothing changes.
         """
+        if self._entered:
+            refuse_entry("flush")
         refuse_partial(self._partial, self.micro_step)
+        self._guard.grads.check(self._window.micro_step, self._window.size)
         if self._window.terms and not self._window.complete:
             raise ValueError(
                 f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
                 "term with its own total (mb.term(..., total=)): that total was the full "
                 "window's; discard() it, or give the short window its own totals and steps")
-        self._sync.sync_partial(self._params, self._window.micro_step)
-        if self._window.empty:
-            return False
-        return self._close_window()
+        self._entered = True
+        try:
+            self._sync.sync_partial(self._params, self._window.micro_step)
+            return not self._window.empty and self._close_window()
+        finally:
+            self._entered = False
 
     def discard(self) -> None:
         """Drop the partial window (gradients to None, counters to the window's start), then call
@@ -269,19 +286,21 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
     def _open_window(self, basis: Any) -> None:
         self._partial = None
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
-        self._window = Window.open(self.schedule(count), basis)
+        self._window = Window.open(self.schedule(count), basis, count)
         self._sync.prepare(self._window.next_is_last)
 
     def _before_feed(self, window: Window) -> None:
         """Before a micro-batch's backward: its window's first is checked against the other
-        accumulators (torch/_holders.py), a later one against gradients changed outside
-        (torch/_guards.py). A window a ``backward_cached`` call left partly accumulated is refused."""
+        accumulators (torch/_holders.py), stale gradients and the scheduler, a later one against
+        gradients changed outside (torch/_guards.py). A window a ``backward_cached`` call left
+        partly accumulated is refused."""
         if self._partial is not None:
             refuse_partial(self._partial, window.micro_step)
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
             self._holders.check_first(self)
+            self._guard.check_first()
 
     def _commit(self, window: Window) -> bool:
         self._window = window
@@ -332,7 +351,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
             return
         self.optimizer_steps += 1
         if self.scheduler is not None:
-            self.scheduler.step()
+            self._guard.step_scheduler(self.scheduler)
 
     def _clear(self, basis: Any = None) -> None:
         """Gradients to None and an empty window of the same size (should opening the next
@@ -340,7 +359,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         self.optimizer.zero_grad(set_to_none=True)
         self._precision.clear()
         self._guard.forget()
-        self._window = Window(self._window.size, basis=basis)
+        self._window = Window(self._window.size, basis=basis, opened_at=self._window.opened_at)
 
     def __del__(self) -> None:
         # Dropped with a partial window: its gradients stay in .grad; the next accumulator over
