@@ -33,6 +33,7 @@ from gradaccum.torch._validate import (
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
+from gradaccum.torch.distributed.pipeline import PendingSync, PipelineSync
 from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
@@ -142,6 +143,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self._holders = Holders(self, params, _open_steps)
         self._guard = Guard(self, optimizer, params)
         self._cached = CachedBackward(params, self._precision, self._sync, model)
+        self._boundary = step_window  # a pipeline's own once backward_pipeline feeds the window
         self._open_window(None)
 
     @property
@@ -214,6 +216,37 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         self._guard.note()
         return self._commit(nxt)
 
+    def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
+                          reduction: Reduction = "mean", **kwargs: Any) -> bool:
+        """Feed one micro-batch through a ``torch.distributed.pipelining`` schedule (docs/PIPELINE.md).
+
+        Runs ``schedule.step(*args, target=target, **kwargs)`` on this rank's stage(s): the
+        schedule's ``n_microbatches`` pipeline micro-batches, their losses weighted in the window.
+        Call it on every pipeline and data-parallel rank, the same number of times.
+
+        Args:
+            schedule: a schedule with a ``loss_fn`` and ``scale_grads=False`` (ScheduleGPipe,
+                Schedule1F1B, ScheduleInterleaved1F1B, ...), built on this rank's stage(s).
+            *args: the model's inputs (on the first stage; none elsewhere).
+            target: the batch's labels, on the last stage.
+            n_items: on the last stage only: a function of a pipeline micro-batch's target chunk
+                giving its count (``lambda t: (t != -100).sum()``), or with ``"sum"`` the batch's
+                count; ``None``: every pipeline micro-batch weighs alike.
+            reduction: how ``loss_fn`` reduces over a micro-batch's items, ``"mean"`` or ``"sum"``.
+            **kwargs: passed to ``schedule.step`` (``losses=[]`` gets each raw loss).
+
+        Returns:
+            True on every stage when this call completed the window and the optimizer stepped.
+
+        Raises:
+            ValueError: a bad input on any rank: raised on every rank together, before any
+                ``step()`` at the run's first call, else at the window's boundary (then no rank
+                steps the window).
+        """
+        from gradaccum.torch._pipeline import backward_pipeline
+
+        return backward_pipeline(self, schedule, args, target, n_items, reduction, kwargs)
+
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
         DDP/FSDP2 every rank must call it. Returns True when the optimizer stepped.
@@ -272,6 +305,8 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
+            if isinstance(self._sync, (PendingSync, PipelineSync)):
+                self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
             self._holders.check_first(self)
 
     def _commit(self, window: Window) -> bool:
@@ -289,7 +324,7 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
         window = self._window
         try:
             with self._guard.own_step():
-                out = step_window(window, self._sync, self._precision, self.clip_norm)
+                out = self._boundary(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error
             self._precision.abort()

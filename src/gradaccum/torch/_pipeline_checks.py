@@ -1,0 +1,115 @@
+"""What the ranks of a pipeline agree on, and the mistakes each one can see (docs/PIPELINE.md).
+
+A stage that raised on its own while the others entered ``schedule.step()`` would leave them
+waiting in point-to-point communication. So a rank never raises on its own about a call's input:
+it records the problem, the ranks exchange what they recorded, and every rank raises the same
+error together.
+
+* **The agreement** (:func:`agreement_vector`, one MAX all-reduce before a ``step()``): at the
+  run's first call, and when the window or schedule changed outside ``backward_pipeline``
+  (``load_state_dict``, ``flush``, ``discard``, ``set_epoch``, another schedule). The ranks compare
+  the window's size and position, the schedule's micro-batches and options, the accumulator's
+  options, and each rank's problems; the last stage tells every rank how the window is weighted.
+* **Later calls**: a problem only one rank can see is recorded, the ``step()`` runs harmlessly
+  (a zero loss), and the window's boundary all-reduce carries it: every rank raises there and no
+  rank steps (torch/_pipeline_boundary.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PROBLEMS", "Agreed", "agreement_vector", "describe", "read_agreement"]
+
+# Every problem a rank can record about a call, and what it means (the detail comes from the rank).
+PROBLEMS: dict[str, str] = {
+    "loss_fn": "the schedule has no loss_fn: build it with loss_fn= (the loss of one pipeline "
+               "micro-batch; gradaccum weights each one in the window)",
+    "scale_grads": "the schedule was built with scale_grads=True (its default): it divides every "
+                   "stage's gradients by n_microbatches at the end of each step(), so under "
+                   "accumulation each step rescales the gradient already accumulated (torchtitan "
+                   "#1733); build it with scale_grads=False: gradaccum weights each micro-batch itself",
+    "target": "the last stage was called with target=None: pass the batch's labels as target= on "
+              "the rank that holds the last stage",
+    "n_items": "n_items is missing or unusable on the last stage",
+    "n_items_elsewhere": "n_items was given on a stage that is not the last: only the last stage, "
+                         "where the labels are, counts the items; pass n_items there only",
+    "reduction": "reduction must be 'mean' or 'sum'",
+    "weighting": "the last stage mixes weightings inside one window (n_items on some calls, none on "
+                 "others)",
+    "stages": "the schedule runs other stages than the ones this accumulator's window was built on",
+    "params": "the optimizer holds parameters that are in none of this rank's pipeline stages: pass "
+              "the stage modules' parameters (all stages this rank runs) to the optimizer",
+    "gradients": "the window's gradients were changed outside the accumulator, or another "
+                 "accumulator holds an open window over them",
+}
+_CODES = tuple(PROBLEMS)
+# (name, what it is) of every value the ranks must hold alike: (v, -v) in a MAX all-reduce.
+_PAIRS = ("steps", "micro_step", "n_microbatches", "num_stages", "scaler", "clip_norm",
+          "skip_nonfinite")
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank learned from the agreement.
+
+    Attributes:
+        use_scale: a provisional total ``P`` scales the backward seeds (some rank's gradients can
+            overflow: a GradScaler, float16 parameters).
+        first_count: the largest first count of any last stage (the first window's ``P`` basis).
+    """
+
+    use_scale: bool
+    first_count: float
+
+
+def agreement_vector(pairs: Sequence[float], last: Sequence[float], problems: Sequence[str],
+                     rank: int) -> list[float]:
+    """This rank's entries of the agreement: each pair value and its negation, then ``last``
+    (has_last, items, summed, first_count, overflow_prone; the maximum is kept), then for each
+    problem code ``rank + 1`` where this rank recorded it."""
+    out: list[float] = []
+    for v in pairs:
+        out += [float(v), -float(v)]
+    out += [float(v) for v in last]
+    out += [float(rank + 1) if code in problems else 0.0 for code in _CODES]
+    return out
+
+
+def read_agreement(vec: Sequence[float], mine: dict[str, str]) -> Agreed:
+    """Decode the reduced agreement.
+
+    Args:
+        vec: the element-wise maximum of every rank's :func:`agreement_vector`.
+        mine: this rank's problems (code -> detail), named first in the message.
+
+    Raises:
+        ValueError: the ranks disagree on a value or one recorded a problem (every rank sees the
+            same vector, so every rank raises, before any ``step()``).
+    """
+    n = len(_PAIRS)
+    issues = []
+    for i, name in enumerate(_PAIRS):
+        high, low = vec[2 * i], -vec[2 * i + 1]
+        if high != low:
+            issues.append(f"the ranks disagree on {name}: from {_num(low)} to {_num(high)}")
+    _, _, _, first_count, overflow_prone = vec[2 * n: 2 * n + 5]
+    flags = vec[2 * n + 5:]
+    for code, flag in zip(_CODES, flags, strict=True):
+        if flag:
+            issues.append(describe(code, mine.get(code), int(flag) - 1))
+    if issues:
+        raise ValueError("backward_pipeline: nothing was run or stepped, on any rank: " + "; ".join(issues))
+    return Agreed(use_scale=bool(overflow_prone), first_count=first_count)
+
+
+def describe(code: str, detail: str | None, rank: int | None = None) -> str:
+    """One problem's sentence: what it means, where it was seen, and this rank's detail."""
+    where = "" if rank is None else f" (rank {rank})"
+    return PROBLEMS[code] + where + ("" if not detail else f": {detail}")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(v)
