@@ -99,14 +99,15 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def layout(world: int, pp: int) -> tuple[Any, Any, int, int]:
-    """``(pp_group, dp_group, pp_rank, dp_rank)`` for ``world`` ranks, pipelines of ``pp`` ranks
-    (rank ``r``: replica ``r // pp``, pipeline position ``r % pp``). Every rank makes every group."""
+    """``(pp_group, dp_mesh, pp_rank, dp_rank)`` for ``world`` ranks, pipelines of ``pp`` ranks
+    (rank ``r``: replica ``r // pp``, pipeline position ``r % pp``), as torchtitan lays them out."""
     rank = dist.get_rank()
     if pp == world:
         return None, None, rank, 0
-    pp_groups = [dist.new_group(list(range(d * pp, (d + 1) * pp))) for d in range(world // pp)]
-    dp_groups = [dist.new_group(list(range(p, world, pp))) for p in range(pp)]
-    return pp_groups[rank // pp], dp_groups[rank % pp], rank % pp, rank // pp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // pp, pp), mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"], rank % pp, rank // pp
 
 
 def build(kind: str, full: nn.Sequential, pp_rank: int, pp: int, n_mb: int, loss_fn: Any, *,
@@ -134,7 +135,13 @@ def stage_params(full: nn.Sequential, pp_rank: int, pp: int, virtual: int = 1) -
     return out
 
 
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (an FSDP2 shard gathered)."""
+    gather = getattr(p, "full_tensor", None)
+    return (p if gather is None else gather()).detach()
+
+
 def max_diff(mods: Sequence[nn.Module], want: Sequence[torch.Tensor]) -> float:
-    got = [p.detach() for m in mods for p in m.parameters()]
+    got = [full(p) for m in mods for p in m.parameters()]
     assert len(got) == len(want)
     return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))

@@ -34,18 +34,23 @@ STEPS, N_MB, SEQS, WINDOWS = 3, 4, 8, 3
 
 def train(rank: int, world: int, kind: str = "1f1b", *, pp: int | None = None, virtual: int = 1,
           reduction: str = "sum", items: bool = True, clip: float | None = 0.5, windows: int = WINDOWS,
-          ddp: bool = False, **acc_kwargs: Any) -> dict[str, Any]:
+          dp: str | None = None, **acc_kwargs: Any) -> dict[str, Any]:
     """``windows`` windows of ``STEPS`` calls; the stages' largest difference from the reference."""
     pp = world if pp is None else pp
     replicas = world // pp
-    pp_group, dp_group, pp_rank, dp_rank = layout(world, pp)
+    pp_group, dp_mesh, pp_rank, dp_rank = layout(world, pp)
     full = full_model(pp * virtual)
     wrap = None
-    if ddp:
+    if dp == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         def wrap(m: nn.Module) -> nn.Module:
-            return DDP(m, process_group=dp_group)
+            return DDP(m, process_group=dp_mesh.get_group())
+    elif dp == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        def wrap(m: nn.Module) -> nn.Module:
+            return fully_shard(m, mesh=dp_mesh)
     loss_fn = token_sum if reduction == "sum" else token_mean
     schedule, mods = build(kind, full, pp_rank, pp, N_MB, loss_fn, virtual=virtual, pp_group=pp_group,
                            wrap=wrap)

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from gradaccum.core.window import Window
 from gradaccum.torch._pipeline_boundary import step_pipeline_window
-from gradaccum.torch._pipeline_checks import Agreed, agreement_vector, read_agreement
+from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed
 from gradaccum.torch._validate import check_items
 from gradaccum.torch._weights import wide_count
 from gradaccum.torch.distributed.pipeline import PipelineSync, schedule_stages
@@ -84,8 +84,8 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
     window: Window = acc._window
     n_mb = sync.n_microbatches = int(schedule._n_microbatches)
     call = _check(acc, sync, schedule, target, n_items, reduction, n_mb)
-    if sync.agreed != (schedule, window):
-        sync.weights = _agree(acc, sync, schedule, call, n_mb)
+    if sync.every_call or sync.agreed != (schedule, window):
+        sync.weights = _agree(acc, sync, call, n_mb)
     elif call.problems:
         sync.poison += [f"{code}: {detail}" for code, detail in call.problems.items()]
     weights: Agreed = sync.weights
@@ -130,6 +130,7 @@ def _attach(acc: Any, schedule: Any) -> PipelineSync:
         return int(a.schedule(a.epoch if a.schedule.by == "epoch" else a.optimizer_steps + 1))
 
     new.next_size = next_size
+    new.flush_pairs = lambda: _pairs(ref(), new, FLUSH, new.n_microbatches)
     if acc._precision.scaler is not None and acc._precision.scaler.is_enabled():
         acc._precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
     acc._sync = new
@@ -198,21 +199,22 @@ def _check_last(call: _Call, target: Any, n_items: Any, n_mb: int, window: Windo
         call.n_items = None  # a harmless step: its weight is 0 (the window raises at its boundary)
 
 
-def _agree(acc: Any, sync: PipelineSync, schedule: Any, call: _Call, n_mb: int) -> Agreed:
-    """The MAX all-reduce before a ``step()`` (the run's first call, or after a restore)."""
-    window, precision = acc._window, acc._precision
-    first = 0.0
-    if call.last and call.items and not call.problems and precision.overflow_prone:
+def _agree(acc: Any, sync: PipelineSync, call: _Call, n_mb: int) -> Agreed:
+    """The MAX all-reduce before a ``step()`` (the run's first call, after a restore, or every call
+    with ``PipelineSync.every_call``)."""
+    first = 0.0 if sync.weights is None else sync.weights.first_count
+    if sync.weights is None and call.last and call.items and not call.problems and acc._precision.overflow_prone:
         first = _host_count(_first_count(call))
-    pairs = [window.size, window.micro_step, n_mb, sync.n_stages, precision.scaler is not None,
-             -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
-    last = [sync.has_last, call.last and call.items, call.last and call.summed, first, precision.overflow_prone]
-    values = agreement_vector(pairs, last, list(call.problems), sync.rank)
-    vec = torch.tensor(values, dtype=torch.float64, device=sync.ranks.device)
-    sync.all_reduce(vec, torch.distributed.ReduceOp.MAX)
-    agreed = read_agreement(vec.tolist(), call.problems)
-    sync.poison = []
-    return agreed
+    last = [sync.has_last, call.last and call.items, call.last and call.summed, first,
+            acc._precision.overflow_prone, bool(sync.poison)]
+    return sync.agree(_pairs(acc, sync, CALL, n_mb), last, call.problems)
+
+
+def _pairs(acc: Any, sync: PipelineSync, operation: int, n_mb: int) -> list[float]:
+    """What every rank must hold alike (torch/_pipeline_checks.py's pairs), in their order."""
+    window, precision = acc._window, acc._precision
+    return [operation, window.size, window.micro_step, n_mb, sync.n_stages, precision.scaler is not None,
+            -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
 
 
 def _first_count(call: _Call) -> Any:

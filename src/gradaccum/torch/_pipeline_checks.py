@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PROBLEMS", "Agreed", "agreement_vector", "describe", "read_agreement"]
+__all__ = ["CALL", "FLUSH", "PROBLEMS", "Agreed", "agreement_vector", "describe", "read_agreement"]
+
+CALL, FLUSH = 1, 2  # what a rank is doing when it agrees: a backward_pipeline call, or flush()
 
 # Every problem a rank can record about a call, and what it means (the detail comes from the rank).
 PROBLEMS: dict[str, str] = {
@@ -47,7 +49,7 @@ PROBLEMS: dict[str, str] = {
 }
 _CODES = tuple(PROBLEMS)
 # (name, what it is) of every value the ranks must hold alike: (v, -v) in a MAX all-reduce.
-_PAIRS = ("steps", "micro_step", "n_microbatches", "num_stages", "scaler", "clip_norm",
+_PAIRS = ("operation", "steps", "micro_step", "n_microbatches", "num_stages", "scaler", "clip_norm",
           "skip_nonfinite")
 
 
@@ -59,17 +61,19 @@ class Agreed:
         use_scale: a provisional total ``P`` scales the backward seeds (some rank's gradients can
             overflow: a GradScaler, float16 parameters).
         first_count: the largest first count of any last stage (the first window's ``P`` basis).
+        poisoned: a rank recorded a problem earlier in the window (its boundary raises).
     """
 
     use_scale: bool
     first_count: float
+    poisoned: bool = False
 
 
 def agreement_vector(pairs: Sequence[float], last: Sequence[float], problems: Sequence[str],
                      rank: int) -> list[float]:
     """This rank's entries of the agreement: each pair value and its negation, then ``last``
-    (has_last, items, summed, first_count, overflow_prone; the maximum is kept), then for each
-    problem code ``rank + 1`` where this rank recorded it."""
+    (has_last, items, summed, first_count, overflow_prone, poisoned; the maximum is kept), then for
+    each problem code ``rank + 1`` where this rank recorded it."""
     out: list[float] = []
     for v in pairs:
         out += [float(v), -float(v)]
@@ -93,16 +97,26 @@ def read_agreement(vec: Sequence[float], mine: dict[str, str]) -> Agreed:
     issues = []
     for i, name in enumerate(_PAIRS):
         high, low = vec[2 * i], -vec[2 * i + 1]
-        if high != low:
-            issues.append(f"the ranks disagree on {name}: from {_num(low)} to {_num(high)}")
-    _, _, _, first_count, overflow_prone = vec[2 * n: 2 * n + 5]
-    flags = vec[2 * n + 5:]
+        if high == low:
+            continue
+        if name == "operation":
+            issues.append("some ranks call backward_pipeline while others call flush(): every stage and "
+                          "replica must call backward_pipeline the same number of times per window")
+        elif name == "micro_step":
+            issues.append(f"the ranks are at different calls of the window (from {_num(low)} to "
+                          f"{_num(high)} calls made): every stage and replica must call "
+                          "backward_pipeline the same number of times, and restore the same checkpoint")
+        else:
+            issues.append(f"the ranks disagree on {name}: from {_num(low)} to {_num(high)} (build every "
+                          "rank's Accumulator and schedule with the same options)")
+    _, _, _, first_count, overflow_prone, poisoned = vec[2 * n: 2 * n + 6]
+    flags = vec[2 * n + 6:]
     for code, flag in zip(_CODES, flags, strict=True):
         if flag:
             issues.append(describe(code, mine.get(code), int(flag) - 1))
     if issues:
         raise ValueError("backward_pipeline: nothing was run or stepped, on any rank: " + "; ".join(issues))
-    return Agreed(use_scale=bool(overflow_prone), first_count=first_count)
+    return Agreed(use_scale=bool(overflow_prone), first_count=first_count, poisoned=bool(poisoned))
 
 
 def describe(code: str, detail: str | None, rank: int | None = None) -> str:

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
+from gradaccum.torch._pipeline_checks import Agreed, agreement_vector, read_agreement
 from gradaccum.torch.distributed.base import LocalSync, SyncMode
 from gradaccum.torch.distributed.collectives import RankGroups
 from gradaccum.torch.distributed.ddp import DDPSync
@@ -120,12 +122,13 @@ class PipelineSync:
         self.world_size = math.prod(dist.get_world_size(g) for g in dp_groups) if dp_groups else 1
         self.sharded = bool(self.dp) and isinstance(self.dp[0], FSDPSync)
         self.dp_lead = self.sharded or not self.dp or all(dist.get_rank(g) == 0 for g in dp_groups)
-        groups: list[Any]
+        groups: list[Any]  # process groups (None: the default one)
         if pp_size * self.world_size == dist.get_world_size():
             groups = [dist.group.WORLD]  # one call over every pipeline and data-parallel rank
         else:
             groups = [pp_group, *dp_groups]
-        self.ranks = RankGroups([g if g is not None else dist.group.WORLD for g in groups], device, "window")
+        world: Any = dist.group.WORLD
+        self.ranks = RankGroups([world if g is None else g for g in groups], device, "window")
         self.ranks.world_size = pp_size * self.world_size
         self.rank = dist.get_rank()
         self.reduce_next = False
@@ -136,6 +139,10 @@ class PipelineSync:
         self.next_size: Callable[[], int] = lambda: 0  # the next window's size (the accumulator's steps)
         self.wide_buffers = False  # accum_dtype under DDP: the boundary averages the float32 sums
         self.foreign = 0  # the optimizer's parameters in none of the stages
+        self.flush_pairs: Callable[[], list[float]] = lambda: []  # what flush() agrees on
+        # Agree before every call, not only the first (catches ranks that call a different number
+        # of times, at one small all-reduce per call): under TORCH_DISTRIBUTED_DEBUG=INFO or DETAIL.
+        self.every_call = c10d.get_debug_level() != c10d.DebugLevel.OFF
 
     # ------------------------------------------------------------------ the GradSync protocol
     def prepare(self, sync_next: bool) -> bool:
@@ -164,12 +171,8 @@ class PipelineSync:
             ValueError: the ranks hold windows of different lengths, or one recorded a bad
                 input in this window (every rank raises, before anything changes).
         """
-        vec = self.max_over_ranks([micro_steps, -micro_steps, int(bool(self.poison))])
-        if vec[0] != -vec[1]:
-            raise ValueError(f"flush(): the pipeline's ranks hold partial windows of different lengths "
-                             f"(from {-vec[1]} to {vec[0]} backward_pipeline calls); every stage and "
-                             "replica must call it the same number of times per window")
-        if vec[2] or not micro_steps or self.mode == "micro_batch":
+        agreed = self.agree(self.flush_pairs(), [self.has_last, 0, 0, 0, 0, bool(self.poison)], {})
+        if agreed.poisoned or not micro_steps or self.mode == "micro_batch":
             return  # a poisoned window raises at the boundary; an empty one has nothing to reduce
         for dp in self.dp:
             if isinstance(dp, DDPSync):
@@ -213,6 +216,14 @@ class PipelineSync:
         return self.ranks.max_over_ranks(values)
 
     # ------------------------------------------------------------------ the pipeline's own
+    def agree(self, pairs: Sequence[float], last: Sequence[float], problems: dict[str, str]) -> Agreed:
+        """One MAX all-reduce of every rank's :func:`agreement_vector`; raise on every rank if the
+        ranks disagree or one recorded a problem (torch/_pipeline_checks.py)."""
+        values = agreement_vector(pairs, last, list(problems), self.rank)
+        vec = torch.tensor(values, dtype=torch.float64, device=self.ranks.device)
+        self.all_reduce(vec, dist.ReduceOp.MAX)
+        return read_agreement(vec.tolist(), problems)
+
     def all_reduce(self, vec: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """``vec`` reduced over every pipeline and data-parallel rank, in place."""
         self.ranks.all_reduce(vec, op)
