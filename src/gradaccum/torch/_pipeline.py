@@ -116,9 +116,11 @@ def _attach(acc: Any, schedule: Any) -> PipelineSync:
     device = acc._params[0].device if acc._params else torch.device(stages[0].device)
     new = PipelineSync(stages, getattr(sync, "mode", "window"), device)
     new.wide_buffers = acc._precision.buffers is not None and new.world_size > 1
-    module = getattr(sync, "module", None)
-    if module is not None and hasattr(module, "require_backward_grad_sync"):
-        module.require_backward_grad_sync = True  # DDP as torch left it: the stage arms it itself
+    for dp in new.dp:
+        if hasattr(dp.module, "require_backward_grad_sync"):
+            # DDP: the stage arms the all-reduce of a step()'s last backward itself; off, DDP's own
+            # forward arms nothing (the schedule's first step() infers its metadata through it).
+            dp.module.require_backward_grad_sync = False
     owned = {id(p) for s in stages for p in s.submod.parameters()}
     new.foreign = sum(id(p) not in owned for p in acc._params)
     ref = weakref.ref(acc)
@@ -177,22 +179,17 @@ def _check_last(call: _Call, target: Any, n_items: Any, n_mb: int, window: Windo
         problems["target"] = ""
     if n_items is None:
         if call.summed:
-            problems["n_items"] = "reduction='sum' needs the items' count: n_items=lambda target: " \
-                                  "(target != -100).sum() (a function of each micro-batch's target) " \
-                                  "or the batch's count"
+            problems["n_items_missing"] = ""
     elif not callable(n_items):
         try:
             check_items(n_items, call.reduction)
         except (TypeError, ValueError) as e:
-            problems["n_items"] = str(e)
+            problems["n_items_bad"] = str(e)
         else:
             if not call.summed and n_mb > 1:
-                problems["n_items"] = (
-                    f"n_items={_short(n_items)} is one count for the batch, but with reduction='mean' "
-                    f"each of the schedule's {n_mb} micro-batch means must be weighted by its own "
-                    "count: pass a function of the target chunk, n_items=lambda target: "
-                    "(target != -100).sum(), or sum-reduce the loss (reduction='sum')")
-    if window.weighting is not None and window.weighting != ("items" if call.items else "mean"):
+                problems["n_items_number"] = f"got n_items={_short(n_items)} for {n_mb} micro-batches"
+    if window.weighting is not None and window.weighting != ("items" if call.items else "mean") \
+            and "n_items_missing" not in problems:
         problems["weighting"] = f"its first {window.micro_step} call(s) " \
                                 f"{'gave n_items' if window.weighting == 'items' else 'gave none'}"
     if problems:
@@ -203,7 +200,8 @@ def _agree(acc: Any, sync: PipelineSync, call: _Call, n_mb: int) -> Agreed:
     """The MAX all-reduce before a ``step()`` (the run's first call, after a restore, or every call
     with ``PipelineSync.every_call``)."""
     first = 0.0 if sync.weights is None else sync.weights.first_count
-    if sync.weights is None and call.last and call.items and not call.problems and acc._precision.overflow_prone:
+    overflow_prone = acc._precision.overflow_prone
+    if sync.weights is None and call.last and call.items and not call.problems and overflow_prone:
         first = _host_count(_first_count(call))
     last = [sync.has_last, call.last and call.items, call.last and call.summed, first,
             acc._precision.overflow_prone, bool(sync.poison)]
@@ -234,7 +232,8 @@ class _weighted:
     def __init__(self, acc: Any, schedule: Any, call: _Call, scale: Any, micro_batches: int) -> None:
         self.schedule, self.call = schedule, call
         precision = acc._precision
-        self.scaled = precision.scale if precision.scaler is not None and precision.scaler.is_enabled() else None
+        active = precision.scaler is not None and precision.scaler.is_enabled()
+        self.scaled = precision.scale if active else None
         self.inv = None if scale is None else 1.0 / scale
         self.mean = 1.0 / micro_batches  # a mean over every pipeline micro-batch of the window
 
@@ -247,7 +246,8 @@ class _weighted:
         vars(self.schedule).pop("_compute_loss", None)
         self.schedule.scale_grads = self.real_scale_grads
 
-    def compute_loss(self, output: Any, target: Any, loss_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    def compute_loss(self, output: Any, target: Any,
+                     loss_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
         call = self.call
         if call.problems:  # a harmless step: a zero loss through the output (no label needed)
             return sum((t.sum() for t in tree_leaves(output)
@@ -285,7 +285,8 @@ def _advance(window: Window, call: _Call, scale: Any) -> Window:
         return window.advance(None, scale=scale, losses=tuple(call.parts))
     counts = call.counts if not call.summed or callable(call.n_items) else [call.n_items]
     total = _total(counts)
-    if isinstance(total, torch.Tensor) and (not window.micro_step or not isinstance(window.items, torch.Tensor)):
+    joins = not window.micro_step or not isinstance(window.items, torch.Tensor)
+    if isinstance(total, torch.Tensor) and joins:
         total = wide_count(total)
     return window.advance(total, scale=scale, summed=call.summed, losses=tuple(call.parts))
 

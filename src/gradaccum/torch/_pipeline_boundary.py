@@ -81,7 +81,7 @@ def step_pipeline_window(window: Window, sync: PipelineSync, precision: Precisio
     scale_grads_(grads, factor * coef)
     norm_t = None if norm is None else torch.tensor(norm, dtype=torch.float64)
     stepped, norm_t = precision.step(grads, norm_t)
-    dtype = _DTYPES[int(round(got[11] / lasts)) - 1] if lasts else torch.float64
+    dtype = _DTYPES[round(got[11] / lasts) - 1] if lasts else torch.float64
     denominator = total if items else lasts * window.micro_step * sync.n_microbatches
     loss = WindowLoss(((torch.tensor(got[1] / denominator, dtype=dtype), 1),), 1)
     basis = window.basis
@@ -132,7 +132,8 @@ def _check(got: list[float], window: Window, sync: PipelineSync) -> None:
     for code, count in zip(PROBLEMS, got[_FIXED:], strict=True):
         if count:
             mine = [p.split(":", 1)[1].strip() for p in sync.poison if p.split(":", 1)[0] == code]
-            where = f"on this rank{' and others' if count > 1 else ''}" if mine else f"on {int(count)} rank(s)"
+            others = " and others" if count > 1 else ""
+            where = f"on this rank{others}" if mine else f"on {int(count)} rank(s)"
             issues.append(describe(code, "; ".join(filter(None, mine)) or None) + f" [{where}]")
     ms, nxt = window.micro_step, sync.next_size()
     if got[7] != ranks * ms or got[8] != ranks * ms * ms:

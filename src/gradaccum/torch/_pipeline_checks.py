@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["CALL", "FLUSH", "PROBLEMS", "Agreed", "agreement_vector", "describe", "read_agreement"]
 
@@ -35,7 +34,14 @@ PROBLEMS: dict[str, str] = {
                    "#1733); build it with scale_grads=False: gradaccum weights each micro-batch itself",
     "target": "the last stage was called with target=None: pass the batch's labels as target= on "
               "the rank that holds the last stage",
-    "n_items": "n_items is missing or unusable on the last stage",
+    "n_items_missing": "reduction='sum' needs the items' count on the last stage: pass n_items=lambda "
+                       "target: (target != -100).sum() (a function of each pipeline micro-batch's "
+                       "target) or the batch's count",
+    "n_items_number": "n_items is one count for the batch, but with reduction='mean' each pipeline "
+                      "micro-batch's mean must be weighted by its own count: pass a function of the "
+                      "target chunk, n_items=lambda target: (target != -100).sum(), or sum-reduce the "
+                      "loss (reduction='sum')",
+    "n_items_bad": "n_items on the last stage is not a count, a function of the target, or None",
     "n_items_elsewhere": "n_items was given on a stage that is not the last: only the last stage, "
                          "where the labels are, counts the items; pass n_items there only",
     "reduction": "reduction must be 'mean' or 'sum'",

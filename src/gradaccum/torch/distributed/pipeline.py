@@ -184,7 +184,8 @@ class PipelineSync:
         stage = next(s for s in self.stages if s.submod is dp.module)
         stage.perform_reduce_grad(1)
 
-    def reduce_window(self, loss_sum: Any, items: Any, sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
+    def reduce_window(self, loss_sum: Any, items: Any,
+                      sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
         """Not used: the pipeline's boundary reduces its own vector (torch/_pipeline_boundary.py)."""
         raise NotImplementedError
 
@@ -247,7 +248,8 @@ class PipelineSync:
         for stage in self.stages:
             fsdp = any(isinstance(d, FSDPSync) and d.module is stage.submod for d in self.dp)
             if collect is not None or (self.dp and not reduce):
-                stage.backward_maybe_with_nosync = _backward(stage.backward_maybe_with_nosync, reduce, collect)
+                real = stage.backward_maybe_with_nosync
+                stage.backward_maybe_with_nosync = _backward(real, reduce, collect)
                 patched.append((stage, "backward_maybe_with_nosync"))
             if fsdp and not reduce:
                 stage.perform_reduce_grad = _skip
@@ -264,7 +266,8 @@ def _skip(grad_scale_factor: int) -> None:
     unsharded and accumulate until that call reduce-scatters them."""
 
 
-def _backward(real: Callable[..., Any], reduce: bool, collect: Callable[[], None] | None) -> Callable[..., Any]:
+def _backward(real: Callable[..., Any], reduce: bool,
+              collect: Callable[[], None] | None) -> Callable[..., Any]:
     def backward_maybe_with_nosync(backward_type: Any, bwd_kwargs: dict[str, Any],
                                    last_backward: bool = False) -> Any:
         out = real(backward_type, bwd_kwargs, last_backward=last_backward and reduce)
