@@ -61,6 +61,7 @@ def timed(args: argparse.Namespace) -> dict[str, Any]:
                                 args.clip) for name in TIMED}
     counts = count_all_reduces()
     times: dict[str, list[float]] = {name: [] for name in TIMED}
+    cpu: dict[str, list[float]] = {name: [] for name in TIMED}
     reduces: dict[str, list[int]] = {name: [] for name in TIMED}
     for w in range(args.warmup + args.windows):
         data = batches_of(w, args.steps, 1, args.batch, **shape)[0]
@@ -69,11 +70,12 @@ def timed(args: argparse.Namespace) -> dict[str, Any]:
             counts["current"] = name
             before = counts.get(name, 0)
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loops[name].window(data)
-            elapsed = time.perf_counter() - start
+            elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
             if w >= args.warmup:
                 times[name].append(elapsed)
+                cpu[name].append(used)
                 reduces[name].append(counts.get(name, 0) - before)
         if w == 0:
             acc = loops["gradaccum checked"].acc
@@ -86,7 +88,7 @@ def timed(args: argparse.Namespace) -> dict[str, Any]:
         with OpCounter() as counter:
             loops[name].window(data)
         ops[name] = counter.count
-    return {"times": times, "all_reduces": reduces, "ops": ops}
+    return {"times": times, "cpu": cpu, "all_reduces": reduces, "ops": ops}
 
 
 def bugs() -> dict[str, dict[str, float]]:
@@ -140,18 +142,22 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
     for key, value in {**machine, "setup": setup}.items():
         print(f"{key:>14}: {value}")
     base = statistics.median(ranks[0]["times"]["hand"])
+    base_cpu = sum(statistics.median(r["cpu"]["hand"]) for r in ranks)
     rows = []
-    print("\n| loop | ms / window (median, rank 0) | vs hand | all-reduces / window | aten ops / window "
-          "(rank 0, rank 1) | ops vs hand |")
-    print("|---|---|---|---|---|---|")
+    print("\n| loop | ms / window (median, rank 0) | vs hand | CPU ms / window (both ranks) | vs hand "
+          "| all-reduces / window | aten ops / window (rank 0, rank 1) | ops vs hand |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in TIMED:
         med = statistics.median(ranks[0]["times"][name])
+        used = sum(statistics.median(r["cpu"][name]) for r in ranks)
         ops = [r["ops"][name] for r in ranks]
         row = {"loop": name, "ms_per_window": round(med * 1e3, 2), "time_vs_hand": round(med / base, 3),
+               "cpu_ms_per_window": round(used * 1e3, 2), "cpu_vs_hand": round(used / base_cpu, 3),
                "all_reduces_per_window": statistics.median(ranks[0]["all_reduces"][name]),
                "ops_per_window": ops, "ops_vs_hand": [o - r["ops"]["hand"] for o, r in zip(ops, ranks, strict=True)]}
         rows.append(row)
         print(f"| {name} | {row['ms_per_window']:.2f} | {row['time_vs_hand']:.3f}x | "
+              f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x | "
               f"{row['all_reduces_per_window']:g} | {ops[0]}, {ops[1]} | "
               f"{row['ops_vs_hand'][0]:+d}, {row['ops_vs_hand'][1]:+d} |")
     print(f"\nParameter error against one process on the full batch (float64, 2 windows of 2 batches x 4 "

@@ -275,6 +275,16 @@ def bad_inputs(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         pipe.acc.load_state_dict(state)
     out["window_differs"] = attempt(pipe, calls(pipe))
+    # a plain module misused for data parallelism: pipelining is imported, so make_sync's refusal
+    # waits for the module's first micro-batch, and a plain backward() raises it there
+    plain = nn.Linear(3, 2).double()
+    acc = gradaccum.Accumulator(sgd(plain.parameters()), 2, model=plain)
+    try:
+        acc.backward(plain(torch.ones(4, 3, dtype=torch.float64)).sum())
+        out["plain_module"] = ""
+    except ValueError as e:
+        out["plain_module"] = str(e)
+    out["plain_module_grads"] = [p.grad is None for p in plain.parameters()]
     # after each refusal the same pipeline trains on (the refused call changed nothing)
     pipe = Pipe(world)
     refused = attempt(pipe, calls(pipe, 1, bad=0, target=None))
@@ -315,6 +325,53 @@ def torchtitan_bugs(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def recipes(rank: int, world: int) -> dict[str, Any]:
+    """docs/PIPELINE.md's torchtitan-style loop and its gradaccum port, run as printed on two
+    ranks: each one's largest difference from one process on the full batch (AdamW, a warm-up,
+    clipping that acts)."""
+    from pathlib import Path
+
+    from tests.integrations.common import run as run_recipe
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "PIPELINE.md"
+    windows = [window_batches(w, 2, 1, SEQS) for w in range(3)]
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def warmup(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
+
+    ref, _ = reference(2, windows, adamw, CLIP, warmup)
+    out = {}
+    for name in ("pp-hand", "pp-gradaccum"):
+        full = full_model(2)
+        stage_module = full[2 * rank: 2 * rank + 2]
+        namespace = {"stage_module": stage_module, "pp_rank": rank, "pp_size": world, "pp_group": None,
+                     "device": torch.device("cpu"), "is_first": rank == 0, "is_last": rank == world - 1,
+                     "n_microbatches": N_MB, "accum_steps": 2, "num_steps": 3, "lr": 1e-2, "warmup_steps": 2,
+                     "max_norm": CLIP, "loss_fn": titan_loss, "clip_grad_norm_": titan_clip,
+                     "data_iterator": iter([b for window in windows for b in window[0]])}
+        run_recipe(name, namespace, doc=doc)
+        out[name] = max_diff([stage_module], stage_params(ref, rank, 2))
+    return out
+
+
+def titan_loss(pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: Any = 1) -> torch.Tensor:
+    """torchtitan's token loss: summed, divided by the global valid-token count it is given."""
+    return token_sum(pred, labels) / global_valid_tokens
+
+
+def titan_clip(parameters: Any, max_norm: float, pp_group: Any) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` under PP: the norm all-reduced over the pipeline's stages."""
+    parameters = list(parameters)
+    total = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]) ** 2
+    dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
+    nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
 if __name__ == "__main__":
     run_scenarios({
         "gpipe sum clip": lambda r, w: train(r, w, "gpipe"),
@@ -333,4 +390,5 @@ if __name__ == "__main__":
         "bad inputs": bad_inputs,
         "uneven calls": uneven_calls,
         "torchtitan bugs": torchtitan_bugs,
+        "recipes": recipes,
     })

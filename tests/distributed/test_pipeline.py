@@ -153,6 +153,14 @@ def test_bad_input_at_a_later_call_drops_the_window_on_every_rank(ranks, case):
         assert got["unchanged"] and got["steps"] == 0 and got["micro_step"] == 0
 
 
+def test_a_plain_module_under_two_ranks_is_still_refused_at_its_first_backward(ranks):
+    # While torch.distributed.pipelining is imported the refusal waits for the first micro-batch (a
+    # stage's module is a plain one); a plain backward() then raises it, before its backward.
+    for r in scenario(ranks, "bad inputs"):
+        assert "model=Linear while a process group of 2 ranks" in r["plain_module"]
+        assert "backward_pipeline" in r["plain_module"] and all(r["plain_module_grads"])
+
+
 def test_a_refused_call_changes_nothing_and_the_pipeline_trains_on(ranks):
     for r in scenario(ranks, "bad inputs"):
         got = r["trains_after_refusal"]
@@ -179,3 +187,9 @@ def test_torchtitan_bugs_reproduced_and_the_ports_exact(ranks):
         # #2972: the loss divided after backward; clipping that acts hides most of it
         assert r["titan2972 no clip"] > 1e-2
         assert 1e-12 < r["titan2972 clip"] < 1e-5
+
+
+def test_the_recipes_run_as_printed_and_are_exact(ranks):
+    # docs/PIPELINE.md's torchtitan-style loop (correct by hand) and its 8-line gradaccum port
+    for r in scenario(ranks, "recipes"):
+        assert r["pp-hand"] < 1e-12 and r["pp-gradaccum"] < 1e-12

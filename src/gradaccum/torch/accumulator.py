@@ -218,30 +218,26 @@ class Accumulator(Feeds, Checkpointing, WindowHooks):
 
     def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
                           reduction: Reduction = "mean", **kwargs: Any) -> bool:
-        """Feed one micro-batch through a ``torch.distributed.pipelining`` schedule (docs/PIPELINE.md).
-
-        Runs ``schedule.step(*args, target=target, **kwargs)`` on this rank's stage(s): the
-        schedule's ``n_microbatches`` pipeline micro-batches, their losses weighted in the window.
-        Call it on every pipeline and data-parallel rank, the same number of times.
+        """Feed one ``schedule.step(*args, target=target, **kwargs)`` of a ``torch.distributed.
+        pipelining`` schedule as one micro-batch of the window, on every stage and replica alike
+        (docs/PIPELINE.md).
 
         Args:
-            schedule: a schedule with a ``loss_fn`` and ``scale_grads=False`` (ScheduleGPipe,
-                Schedule1F1B, ScheduleInterleaved1F1B, ...), built on this rank's stage(s).
-            *args: the model's inputs (on the first stage; none elsewhere).
+            schedule: built on this rank's stage(s), with a ``loss_fn`` and ``scale_grads=False``.
+            *args: the model's inputs (on the first stage).
             target: the batch's labels, on the last stage.
-            n_items: on the last stage only: a function of a pipeline micro-batch's target chunk
-                giving its count (``lambda t: (t != -100).sum()``), or with ``"sum"`` the batch's
-                count; ``None``: every pipeline micro-batch weighs alike.
-            reduction: how ``loss_fn`` reduces over a micro-batch's items, ``"mean"`` or ``"sum"``.
-            **kwargs: passed to ``schedule.step`` (``losses=[]`` gets each raw loss).
+            n_items: on the last stage only: a function of a pipeline micro-batch's target giving its
+                count (``gradaccum.count_tokens``), or with ``"sum"`` the batch's count; ``None``:
+                every pipeline micro-batch weighs alike.
+            reduction: how ``loss_fn`` reduces a micro-batch's items, ``"mean"`` or ``"sum"``.
+            **kwargs: for ``schedule.step`` (``losses=[]`` gets each unweighted loss).
 
         Returns:
             True on every stage when this call completed the window and the optimizer stepped.
 
         Raises:
-            ValueError: a bad input on any rank: raised on every rank together, before any
-                ``step()`` at the run's first call, else at the window's boundary (then no rank
-                steps the window).
+            ValueError: a bad input on any rank, raised on every rank together: before any
+                ``step()`` at the run's first call, else at the window's boundary (no rank steps).
         """
         from gradaccum.torch._pipeline import backward_pipeline
 
