@@ -33,7 +33,17 @@ import torch.multiprocessing as mp
 
 from gradaccum.bench.hot_path import OpCounter
 from gradaccum.bench.machine import describe_machine
-from gradaccum.bench.pipeline import LOOPS, PipelineLoop, full_model, max_diff, reference, sgd, stage_params
+from gradaccum.bench.pipeline import (
+    LOOPS,
+    PAD,
+    PipelineLoop,
+    full_model,
+    max_diff,
+    reference,
+    sgd,
+    stage_params,
+    token_sum,
+)
 from gradaccum.bench.pipeline import window_batches as batches_of
 from gradaccum.bench.results_file import write_results
 
@@ -105,13 +115,9 @@ def bugs() -> dict[str, dict[str, float]]:
             diff = torch.tensor(max_diff([run.mod], want), dtype=torch.float64)
             dist.all_reduce(diff, op=dist.ReduceOp.MAX)
             out.setdefault(loop, {})["clip" if clip is not None else "no_clip"] = float(diff)
-    full = full_model(2)
-    loss = full_model(2)  # the reference's first-window gradient norm: clipping acts below it
-    del loss
+    full = full_model(2)  # the reference's first-window gradient norm: clipping acts below it
     tokens = torch.cat([t for t, _ in windows[0][0]])
     labels = torch.cat([y for _, y in windows[0][0]])
-    from gradaccum.bench.pipeline import PAD, token_sum
-
     (token_sum(full(tokens), labels) / (labels != PAD).sum()).backward()
     out["reference"] = {"grad_norm": float(torch.nn.utils.get_total_norm(
         [p.grad for p in full.parameters() if p.grad is not None])), "clip": BUG_CLIP}
@@ -154,7 +160,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
         row = {"loop": name, "ms_per_window": round(med * 1e3, 2), "time_vs_hand": round(med / base, 3),
                "cpu_ms_per_window": round(used * 1e3, 2), "cpu_vs_hand": round(used / base_cpu, 3),
                "all_reduces_per_window": statistics.median(ranks[0]["all_reduces"][name]),
-               "ops_per_window": ops, "ops_vs_hand": [o - r["ops"]["hand"] for o, r in zip(ops, ranks, strict=True)]}
+               "ops_per_window": ops,
+               "ops_vs_hand": [o - r["ops"]["hand"] for o, r in zip(ops, ranks, strict=True)]}
         rows.append(row)
         print(f"| {name} | {row['ms_per_window']:.2f} | {row['time_vs_hand']:.3f}x | "
               f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x | "
@@ -169,8 +176,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
         print(f"| {loop} | {found[loop]['clip']:.2g} | {found[loop]['no_clip']:.2g} |")
     if args.json is not None:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
-        write_results(args.json, {"source": "python benchmarks/pipeline.py", "machine": machine, "setup": setup,
-                                  "settings": settings, "rows": {r["loop"]: r for r in rows},
+        write_results(args.json, {"source": "python benchmarks/pipeline.py", "machine": machine,
+                                  "setup": setup, "settings": settings, "rows": {r["loop"]: r for r in rows},
                                   "bugs": found}, indent=1)
 
 

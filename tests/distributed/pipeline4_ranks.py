@@ -10,7 +10,17 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from gradaccum.bench.pipeline import window_batches
-from tests.distributed.pipeline_ranks import SEQS, STEPS, Pipe, attempt, checkpoint, inf_in_window, train
+from tests.distributed.pipeline_ranks import (
+    SEQS,
+    STEPS,
+    Pipe,
+    attempt,
+    checkpoint,
+    discard_call,
+    flush_partial,
+    inf_in_window,
+    train,
+)
 from tests.ranks import run_scenarios
 
 
@@ -88,6 +98,9 @@ if __name__ == "__main__":
         "ppdp ddp scaler inf on rank 2": lambda r, w: inf_in_window(
             r, w, 2, pp=2, dp="ddp", scaler=torch.amp.GradScaler("cpu")),
         "ppdp ddp checkpoint": lambda r, w: checkpoint(r, w, "sum", pp=2, dp="ddp"),
+        "ppdp ddp flush": lambda r, w: flush_partial(r, w, pp=2, dp="ddp"),
+        "ppdp fsdp flush": lambda r, w: flush_partial(r, w, pp=2, dp="fsdp"),
+        "ppdp fsdp discard": lambda r, w: discard_call(r, w, pp=2, dp="fsdp"),
         "collectives ddp": lambda r, w: collectives(r, w, "ddp"),
         "collectives fsdp": lambda r, w: collectives(r, w, "fsdp"),
         "uneven replicas": uneven_replicas,

@@ -141,6 +141,35 @@ def inf_in_window(rank: int, world: int, on_rank: int, **options: Any) -> dict[s
             "diff": pipe.diff(ref), "lr": pipe.opt.param_groups[0]["lr"]}
 
 
+def flush_partial(rank: int, world: int, **options: Any) -> dict[str, Any]:
+    """Two full windows, then 2 calls of the third flushed on every rank: the third update is the
+    mean over those 2 batches (of every replica)."""
+    pipe = Pipe(world, **options)
+    data = pipe.data()
+    for w, window in enumerate(data):
+        for tokens, labels in window[pipe.dp_rank][: STEPS if w < 2 else 2]:
+            pipe.feed(tokens, labels)
+    stepped = pipe.acc.flush()
+    windows = [*data[:2], [replica[:2] for replica in data[2]]]
+    ref, _ = reference(pipe.pp * pipe.virtual, windows, sgd, options.get("clip", CLIP), halve)
+    return {"stepped": stepped, "diff": pipe.diff(ref), "steps": pipe.acc.optimizer_steps,
+            "micro_step": pipe.acc.micro_step}
+
+
+def discard_call(rank: int, world: int, **options: Any) -> dict[str, Any]:
+    """A window's first call discarded on every rank, then the windows fed: as if never fed."""
+    pipe = Pipe(world, **options)
+    junk = window_batches(99, 1, pipe.replicas, SEQS)[pipe.dp_rank][0]
+    pipe.feed(*junk)
+    pipe.acc.discard()
+    data = pipe.data(2)
+    for window in data:
+        for tokens, labels in window[pipe.dp_rank]:
+            pipe.feed(tokens, labels)
+    ref, _ = reference(pipe.pp * pipe.virtual, data, sgd, options.get("clip", CLIP), halve)
+    return {"diff": pipe.diff(ref), "steps": pipe.acc.optimizer_steps}
+
+
 def accum_dtype(rank: int, world: int) -> dict[str, Any]:
     """bfloat16 stages with float32 accumulation against one process feeding the same pipeline
     micro-batches to an Accumulator with accum_dtype=float32; and without accum_dtype."""
@@ -381,9 +410,13 @@ if __name__ == "__main__":
         "1f1b plain mean": lambda r, w: train(r, w, "1f1b", reduction="mean", items=False),
         "interleaved sum clip": lambda r, w: train(r, w, "interleaved", virtual=2),
         "interleaved mean": lambda r, w: train(r, w, "interleaved", virtual=2, reduction="mean", clip=None),
+        "loopedbfs sum clip": lambda r, w: train(r, w, "loopedbfs", virtual=2),
+        "zero bubble mean clip": lambda r, w: train(r, w, "zb", virtual=2, reduction="mean"),
         "scaler inf on stage 0": lambda r, w: inf_in_window(r, w, 0, scaler=torch.amp.GradScaler("cpu")),
         "skip_nonfinite inf on stage 1": lambda r, w: inf_in_window(r, w, 1, skip_nonfinite=True),
         "accum_dtype": accum_dtype,
+        "flush": flush_partial,
+        "discard": discard_call,
         "checkpoint sum": lambda r, w: checkpoint(r, w, "sum"),
         "checkpoint mean": lambda r, w: checkpoint(r, w, "mean"),
         "collectives": collectives,

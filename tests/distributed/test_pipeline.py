@@ -13,7 +13,7 @@ from tests.ranks import run_ranks, scenario
 pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
 
 EXACT = ["gpipe sum clip", "gpipe mean", "1f1b sum", "1f1b mean clip", "1f1b plain mean",
-         "interleaved sum clip", "interleaved mean"]
+         "interleaved sum clip", "interleaved mean", "loopedbfs sum clip", "zero bubble mean clip"]
 EXACT4 = ["gpipe4 sum clip", "1f1b4 mean", "interleaved4 mean clip", "ppdp ddp 1f1b sum clip",
           "ppdp ddp gpipe mean", "ppdp ddp interleaved sum clip", "ppdp fsdp 1f1b sum clip",
           "ppdp fsdp gpipe mean"]
@@ -77,6 +77,18 @@ def test_an_overflow_on_one_replica_skips_the_window_on_every_rank(ranks4):
     for r in results:
         assert r["unchanged"] and r["skipped"] == 1 and r["steps"] == 2 and r["diff"] < 1e-12
     assert all(r["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15] for r in results)
+
+
+def test_flush_applies_a_partial_window_on_every_stage_and_replica(ranks, ranks4):
+    results = [*scenario(ranks, "flush"), *scenario(ranks4, "ppdp ddp flush"),
+               *scenario(ranks4, "ppdp fsdp flush")]
+    for r in results:
+        assert r["stepped"] and r["steps"] == 3 and r["micro_step"] == 0 and r["diff"] < 1e-12
+
+
+def test_discard_drops_a_call_on_every_stage_and_shard(ranks, ranks4):
+    for r in scenario(ranks, "discard") + scenario(ranks4, "ppdp fsdp discard"):
+        assert r["steps"] == 2 and r["diff"] < 1e-12
 
 
 def test_accum_dtype_sums_every_pipeline_micro_batch_in_float32(ranks):

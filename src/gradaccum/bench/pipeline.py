@@ -32,11 +32,15 @@ from torch.nn.utils import get_total_norm
 
 import gradaccum
 
-__all__ = ["LOOPS", "PAD", "PipelineLoop", "batch", "build", "count", "full_model", "layout", "max_diff",
-           "reference", "sgd", "stage_params", "token_mean", "token_sum", "window_batches"]
+__all__ = ["LOOPS", "PAD", "SCHEDULES", "PipelineLoop", "batch", "build", "count", "full_model", "layout",
+           "max_diff", "reference", "sgd", "stage_indices", "stage_params", "token_mean", "token_sum",
+           "window_batches"]
 
 VOCAB, HIDDEN, SEQ, PAD = 13, 8, 5, -100
 LOOPS = ("hand", "titan1733", "titan2972", "gradaccum")
+# The schedules the tests run, by short name (torch.distributed.pipelining's classes).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+             "loopedbfs": "ScheduleLoopedBFS", "zb": "ScheduleInterleavedZeroBubble"}
 
 
 def full_model(n_stages: int, dtype: torch.dtype = torch.float64, *, hidden: int = HIDDEN,
@@ -134,31 +138,34 @@ def build(kind: str, full: nn.Sequential, pp_rank: int, pp: int, n_mb: int, loss
     """This rank's stage modules (copies of ``full``'s layers) and a schedule over them.
 
     Args:
-        kind: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``virtual`` stages per rank).
+        kind: a key of :data:`SCHEDULES`; a multi-stage one takes ``virtual`` stages per rank
+            (round robin: rank ``r`` holds stages ``r``, ``r + pp``, ...).
     """
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import PipelineStage
 
     n_stages = pp * virtual
     mods, stages = [], []
-    for index in range(pp_rank, n_stages, pp):
+    for index in stage_indices(pp_rank, pp, virtual):
         mod: nn.Module = copy.deepcopy(full[2 * index: 2 * index + 2])
         if wrap is not None:
             mod = wrap(mod)
         mods.append(mod)
         stages.append(PipelineStage(mod, index, n_stages, torch.device("cpu"), group=pp_group))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[kind]
+    import torch.distributed.pipelining as pipelining
+
+    cls = getattr(pipelining, SCHEDULES[kind])
     schedule = cls(stages if virtual > 1 else stages[0], n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
     return schedule, mods
 
 
+def stage_indices(pp_rank: int, pp: int, virtual: int = 1) -> list[int]:
+    """The stages rank ``pp_rank`` holds (round robin)."""
+    return list(range(pp_rank, pp * virtual, pp))
+
+
 def stage_params(full: nn.Sequential, pp_rank: int, pp: int, virtual: int = 1) -> list[torch.Tensor]:
     """The reference's parameters of this rank's stages, in the stage modules' order."""
-    return [p.detach().clone() for index in range(pp_rank, pp * virtual, pp)
+    return [p.detach().clone() for index in stage_indices(pp_rank, pp, virtual)
             for p in full[2 * index: 2 * index + 2].parameters()]
 
 
