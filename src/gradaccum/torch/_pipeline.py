@@ -84,7 +84,10 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
     window: Window = acc._window
     n_mb = sync.n_microbatches = int(schedule._n_microbatches)
     call = _check(acc, sync, schedule, target, n_items, reduction, n_mb)
-    if sync.every_call or sync.agreed != (schedule, window):
+    agreed = sync.agreed  # the schedule and window record the last call left (identity, not value)
+    if sync.every_call or agreed is None or agreed[0] is not schedule or agreed[1] is not window:
+        if agreed is not None and agreed[1] is not window:
+            sync.poison = []  # the window was replaced (load_state_dict): its problems went with it
         sync.weights = _agree(acc, sync, call, n_mb)
     elif call.problems:
         sync.poison += [f"{code}: {detail}" for code, detail in call.problems.items()]

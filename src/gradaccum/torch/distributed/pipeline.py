@@ -49,10 +49,12 @@ class PendingSync(LocalSync):
 
     Args:
         refusal: the message of that refusal.
+        mode: the accumulator's ``sync``, for the pipeline's data-parallel reduction.
     """
 
-    def __init__(self, refusal: str) -> None:
+    def __init__(self, refusal: str, mode: SyncMode = "window") -> None:
         self.refusal = refusal
+        self.mode = mode
 
     def refuse_feed(self) -> None:
         """Raise the refusal: a plain module's micro-batch under a process group of several ranks.
@@ -132,7 +134,7 @@ class PipelineSync:
         self.ranks.world_size = pp_size * self.world_size
         self.rank = dist.get_rank()
         self.reduce_next = False
-        self.agreed: Any = None  # what the last agreement saw: (schedule, window) it holds for
+        self.agreed: Any = None  # (schedule, window record) the last call left: no agreement needed
         self.weights: Any = None  # the agreed run facts (torch/_pipeline.py's Agreement)
         self.poison: list[str] = []  # this window's deferred problems on this rank
         self.n_microbatches = 1  # the schedule's, set by each call

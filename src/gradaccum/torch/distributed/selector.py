@@ -68,6 +68,6 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
             "(or the FSDP2 root) as model=, so gradients and item totals are averaged over every "
             "rank once per window; for ranks that train independently on purpose, pass sync='local'")
         if "torch.distributed.pipelining" in sys.modules:
-            return PendingSync(refusal)  # a pipeline stage's module: decided at its first micro-batch
+            return PendingSync(refusal, mode)  # a pipeline stage's module: decided at its first micro-batch
         raise ValueError(refusal)
     return LocalSync()
