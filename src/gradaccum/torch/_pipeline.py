@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,8 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from gradaccum.core.window import Window
 from gradaccum.torch._pipeline_boundary import step_pipeline_window
-from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed
-from gradaccum.torch._validate import check_items
+from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed, Call, check_call
 from gradaccum.torch._weights import wide_count
 from gradaccum.torch.distributed.pipeline import PipelineSync, schedule_stages
 
@@ -54,28 +52,6 @@ def pow2_total(count: float, size: int) -> float:
     return math.ldexp(1.0, math.frexp(x)[1])
 
 
-@dataclass
-class _Call:
-    """One ``backward_pipeline`` call: its checked input, and what its ``step()`` recorded."""
-
-    last: bool
-    reduction: str
-    n_items: Any
-    target: Any = None
-    problems: dict[str, str] = field(default_factory=dict)
-    counts: list[Any] = field(default_factory=list)
-    parts: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
-    raw: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def items(self) -> bool:
-        return self.n_items is not None
-
-    @property
-    def summed(self) -> bool:
-        return self.reduction == "sum"
-
-
 def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: Any, n_items: Any,
                       reduction: Any, kwargs: dict[str, Any]) -> bool:
     """Run ``schedule.step(*args, target=target, **kwargs)`` as one micro-batch of ``acc``'s window
@@ -83,7 +59,7 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
     sync = _attach(acc, schedule)
     window: Window = acc._window
     n_mb = sync.n_microbatches = int(schedule._n_microbatches)
-    call = _check(acc, sync, schedule, target, n_items, reduction, n_mb)
+    call = check_call(acc, sync, schedule, target, n_items, reduction, n_mb)
     agreed = sync.agreed  # the schedule and window record the last call left (identity, not value)
     if sync.every_call or agreed is None or agreed[0] is not schedule or agreed[1] is not window:
         if agreed is not None and agreed[1] is not window:
@@ -95,9 +71,14 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
     scale = window.scale if window.micro_step else (
         pow2_total(window.basis or weights.first_count or 1, window.size) if weights.use_scale else None)
     losses = kwargs.get("losses")
-    with sync.controlled(acc._precision.collect if acc._precision.buffers is not None else None), \
-            _weighted(acc, schedule, call, scale, window.size * n_mb):
-        schedule.step(*args, target=target if target is not None or not call.last else _dummy(n_mb), **kwargs)
+    collect = acc._precision.collect if acc._precision.buffers is not None else None
+    try:
+        with sync.controlled(collect), _weighted(acc, schedule, call, scale, window.size * n_mb):
+            schedule.step(*args, target=target if target is not None or not call.last else _dummy(n_mb),
+                          **kwargs)
+    except BaseException:
+        sync.agreed = None  # its gradients are partly accumulated (discard() drops them): agree again
+        raise
     if isinstance(losses, list):  # the schedule's own list: the losses as loss_fn returned them
         losses[:] = call.raw
     nxt = _advance(window, call, scale)
@@ -144,62 +125,7 @@ def _attach(acc: Any, schedule: Any) -> PipelineSync:
     return new
 
 
-def _check(acc: Any, sync: PipelineSync, schedule: Any, target: Any, n_items: Any, reduction: Any,
-           n_mb: int) -> _Call:
-    """This rank's problems with the call (recorded, never raised here: see _pipeline_checks)."""
-    call = _Call(sync.has_last, reduction if reduction in ("mean", "sum") else "mean",
-                 n_items if sync.has_last else None, target)
-    problems = call.problems
-    if reduction not in ("mean", "sum"):
-        problems["reduction"] = f"got {reduction!r}"
-    if getattr(schedule, "_loss_fn", None) is None:
-        problems["loss_fn"] = ""
-    if getattr(schedule, "scale_grads", False):
-        problems["scale_grads"] = ""
-    if [id(s) for s in schedule_stages(schedule)] != [id(s) for s in sync.stages]:
-        problems["stages"] = ""
-    if getattr(sync, "foreign", 0):
-        problems["params"] = f"{sync.foreign} of them"
-    if sync.has_last:
-        _check_last(call, target, n_items, n_mb, acc._window)
-    elif n_items is not None:
-        problems["n_items_elsewhere"] = f"n_items={_short(n_items)} on a rank holding stage(s) " \
-                                        f"{[s.stage_index for s in sync.stages]}"
-    window = acc._window
-    try:
-        if window.micro_step:
-            acc._guard.check(window.micro_step, window.size)
-        else:
-            acc._holders.check_first(acc)
-    except RuntimeError as e:
-        problems["gradients"] = str(e)
-    return call
-
-
-def _check_last(call: _Call, target: Any, n_items: Any, n_mb: int, window: Window) -> None:
-    problems = call.problems
-    if target is None:
-        problems["target"] = ""
-    if n_items is None:
-        if call.summed:
-            problems["n_items_missing"] = ""
-    elif not callable(n_items):
-        try:
-            check_items(n_items, call.reduction)
-        except (TypeError, ValueError) as e:
-            problems["n_items_bad"] = str(e)
-        else:
-            if not call.summed and n_mb > 1:
-                problems["n_items_number"] = f"got n_items={_short(n_items)} for {n_mb} micro-batches"
-    if window.weighting is not None and window.weighting != ("items" if call.items else "mean") \
-            and "n_items_missing" not in problems:
-        problems["weighting"] = f"its first {window.micro_step} call(s) " \
-                                f"{'gave n_items' if window.weighting == 'items' else 'gave none'}"
-    if problems:
-        call.n_items = None  # a harmless step: its weight is 0 (the window raises at its boundary)
-
-
-def _agree(acc: Any, sync: PipelineSync, call: _Call, n_mb: int) -> Agreed:
+def _agree(acc: Any, sync: PipelineSync, call: Call, n_mb: int) -> Agreed:
     """The MAX all-reduce before a ``step()`` (the run's first call, after a restore, or every call
     with ``PipelineSync.every_call``)."""
     first = 0.0 if sync.weights is None else sync.weights.first_count
@@ -218,7 +144,7 @@ def _pairs(acc: Any, sync: PipelineSync, operation: int, n_mb: int) -> list[floa
             -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
 
 
-def _first_count(call: _Call) -> Any:
+def _first_count(call: Call) -> Any:
     """The run's first call's count, for the first window's ``P`` (a function of the target is
     given the whole batch's target: any positive value would do, ``P`` cancels)."""
     n = call.n_items
@@ -232,7 +158,7 @@ def _host_count(n: Any) -> float:
 class _weighted:
     """For one ``step()``: the schedule's ``_compute_loss`` weighs each micro-batch's loss."""
 
-    def __init__(self, acc: Any, schedule: Any, call: _Call, scale: Any, micro_batches: int) -> None:
+    def __init__(self, acc: Any, schedule: Any, call: Call, scale: Any, micro_batches: int) -> None:
         self.schedule, self.call = schedule, call
         precision = acc._precision
         active = precision.scaler is not None and precision.scaler.is_enabled()
@@ -261,7 +187,7 @@ class _weighted:
         return loss if self.scaled is None else self.scaled(loss)
 
 
-def _weigh(raw: torch.Tensor, call: _Call, target: Any, inv: float | None, mean: float) -> torch.Tensor:
+def _weigh(raw: torch.Tensor, call: Call, target: Any, inv: float | None, mean: float) -> torch.Tensor:
     """One pipeline micro-batch's loss times its weight in the window (module docstring)."""
     detached = raw.detach()
     n = call.n_items
@@ -278,7 +204,7 @@ def _weigh(raw: torch.Tensor, call: _Call, target: Any, inv: float | None, mean:
     return loss if inv is None else loss * inv
 
 
-def _advance(window: Window, call: _Call, scale: Any) -> Window:
+def _advance(window: Window, call: Call, scale: Any) -> Window:
     """The window after this call: on the last stage its count total and losses; elsewhere only
     the step (the boundary all-reduce brings every rank the last stage's totals)."""
     if not call.last or call.problems:
@@ -306,9 +232,3 @@ def _total(counts: list[Any]) -> Any:
 def _dummy(n_mb: int) -> torch.Tensor:
     """A target the schedule can split while the last stage's missing target is being reported."""
     return torch.zeros(n_mb)
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-

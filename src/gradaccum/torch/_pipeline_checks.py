@@ -5,6 +5,9 @@ waiting in point-to-point communication. So a rank never raises on its own about
 it records the problem, the ranks exchange what they recorded, and every rank raises the same
 error together.
 
+* **What a rank sees** (:func:`check_call`): the schedule's ``loss_fn`` and ``scale_grads``, its
+  stages, the optimizer's parameters, the last stage's ``target`` and ``n_items``, ``n_items``
+  elsewhere, the window's weighting, and gradients changed outside the accumulator.
 * **The agreement** (:func:`agreement_vector`, one MAX all-reduce before a ``step()``): at the
   run's first call, and when the window or schedule changed outside ``backward_pipeline``
   (``load_state_dict``, ``flush``, ``discard``, ``set_epoch``, another schedule). The ranks compare
@@ -18,9 +21,16 @@ error together.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["CALL", "FLUSH", "PROBLEMS", "Agreed", "agreement_vector", "describe", "read_agreement"]
+import torch
+
+from gradaccum.core.window import Window
+from gradaccum.torch._validate import check_items
+
+__all__ = ["CALL", "FLUSH", "PROBLEMS", "Agreed", "Call", "agreement_vector", "check_call", "describe",
+           "read_agreement"]
 
 CALL, FLUSH = 1, 2  # what a rank is doing when it agrees: a backward_pipeline call, or flush()
 
@@ -133,3 +143,90 @@ def describe(code: str, detail: str | None, rank: int | None = None) -> str:
 
 def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(v)
+
+
+@dataclass
+class Call:
+    """One ``backward_pipeline`` call: its checked input, and what its ``step()`` recorded."""
+
+    last: bool
+    reduction: str
+    n_items: Any
+    target: Any = None
+    problems: dict[str, str] = field(default_factory=dict)
+    counts: list[Any] = field(default_factory=list)
+    parts: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
+    raw: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def items(self) -> bool:
+        return self.n_items is not None
+
+    @property
+    def summed(self) -> bool:
+        return self.reduction == "sum"
+
+
+def check_call(acc: Any, sync: Any, schedule: Any, target: Any, n_items: Any, reduction: Any,
+               n_mb: int) -> Call:
+    """This rank's problems with a ``backward_pipeline`` call (recorded, never raised here).
+
+    Args:
+        acc: the accumulator; sync: its PipelineSync; n_mb: the schedule's micro-batches.
+    """
+    call = Call(sync.has_last, reduction if reduction in ("mean", "sum") else "mean",
+                n_items if sync.has_last else None, target)
+    problems = call.problems
+    if reduction not in ("mean", "sum"):
+        problems["reduction"] = f"got {reduction!r}"
+    if getattr(schedule, "_loss_fn", None) is None:
+        problems["loss_fn"] = ""
+    if getattr(schedule, "scale_grads", False):
+        problems["scale_grads"] = ""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    if [id(s) for s in stages] != [id(s) for s in sync.stages]:
+        problems["stages"] = ""
+    if getattr(sync, "foreign", 0):
+        problems["params"] = f"{sync.foreign} of them"
+    if sync.has_last:
+        _check_last(call, target, n_items, n_mb, acc._window)
+    elif n_items is not None:
+        problems["n_items_elsewhere"] = f"n_items={_short(n_items)} on a rank holding stage(s) " \
+                                        f"{[s.stage_index for s in sync.stages]}"
+    window = acc._window
+    try:
+        if window.micro_step:
+            acc._guard.check(window.micro_step, window.size)
+        else:
+            acc._holders.check_first(acc)
+    except RuntimeError as e:
+        problems["gradients"] = str(e)
+    return call
+
+
+def _check_last(call: Call, target: Any, n_items: Any, n_mb: int, window: Window) -> None:
+    problems = call.problems
+    if target is None:
+        problems["target"] = ""
+    if n_items is None:
+        if call.summed:
+            problems["n_items_missing"] = ""
+    elif not callable(n_items):
+        try:
+            check_items(n_items, call.reduction)
+        except (TypeError, ValueError) as e:
+            problems["n_items_bad"] = str(e)
+        else:
+            if not call.summed and n_mb > 1:
+                problems["n_items_number"] = f"got n_items={_short(n_items)} for {n_mb} micro-batches"
+    if window.weighting is not None and window.weighting != ("items" if call.items else "mean") \
+            and "n_items_missing" not in problems:
+        problems["weighting"] = f"its first {window.micro_step} call(s) " \
+                                f"{'gave n_items' if window.weighting == 'items' else 'gave none'}"
+    if problems:
+        call.n_items = None  # a harmless step: its weight is 0 (the window raises at its boundary)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
