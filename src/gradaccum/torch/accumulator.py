@@ -34,6 +34,7 @@ from gradaccum.torch._validate import (
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
 from gradaccum.torch.distributed.base import GradSync, SyncMode
+from gradaccum.torch.distributed.pipeline import PendingSync, PipelineSync
 from gradaccum.torch.distributed.selector import make_sync
 
 __all__ = ["Accumulator", "MicroBatch"]
@@ -148,6 +149,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         self._holders = Holders(self, params, _open_steps)
         self._guard = Guard(self, optimizer, params, scheduler, model, exact_grads(self._sync))
         self._cached = CachedBackward(params, self._precision, self._sync, model)
+        self._boundary = step_window  # a pipeline's own once backward_pipeline feeds the window
         self._open_window(None)
 
     @property
@@ -228,6 +230,33 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         finally:
             self._entered = False
 
+    def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
+                          reduction: Reduction = "mean", **kwargs: Any) -> bool:
+        """Feed one ``schedule.step(*args, target=target, **kwargs)`` of a ``torch.distributed.
+        pipelining`` schedule as one micro-batch of the window, on every stage and replica alike
+        (docs/PIPELINE.md).
+
+        Args:
+            schedule: built on this rank's stage(s), with a ``loss_fn`` and ``scale_grads=False``.
+            *args: the model's inputs (on the first stage).
+            target: the batch's labels, on the last stage.
+            n_items: on the last stage only: a function of a pipeline micro-batch's target giving its
+                count (``gradaccum.count_tokens``), or with ``"sum"`` the batch's count; ``None``:
+                every pipeline micro-batch weighs alike.
+            reduction: how ``loss_fn`` reduces a micro-batch's items, ``"mean"`` or ``"sum"``.
+            **kwargs: for ``schedule.step`` (``losses=[]`` gets each unweighted loss).
+
+        Returns:
+            True on every stage when this call completed the window and the optimizer stepped.
+
+        Raises:
+            ValueError: a bad input on any rank, raised on every rank together: before any
+                ``step()`` at the run's first call, else at the window's boundary (no rank steps).
+        """
+        from gradaccum.torch._pipeline import backward_pipeline
+
+        return backward_pipeline(self, schedule, args, target, n_items, reduction, kwargs)
+
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
         DDP/FSDP2 every rank must call it. Returns True when the optimizer stepped.
@@ -299,6 +328,8 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
+            if isinstance(self._sync, (PendingSync, PipelineSync)):
+                self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
             self._holders.check_first(self)
             self._guard.check_first()
 
@@ -317,7 +348,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         window = self._window
         try:
             with self._guard.own_step():
-                out = step_window(window, self._sync, self._precision, self.clip_norm)
+                out = self._boundary(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error
             self._precision.abort()

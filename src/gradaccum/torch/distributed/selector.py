@@ -7,6 +7,7 @@ selector).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from gradaccum.torch.distributed.base import GradSync, LocalSync, check_sync_mode
 from gradaccum.torch.distributed.ddp import DDPSync
 from gradaccum.torch.distributed.fsdp import FSDPSync
+from gradaccum.torch.distributed.pipeline import PendingSync
 
 __all__ = ["make_sync"]
 
@@ -35,6 +37,9 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
             sharded (no single flag would cover them); or, under a process group of more than one
             rank, a model that is neither DDP nor FSDP2 (``None`` included) without
             ``sync="local"``: each rank would normalize by its own item total and drift apart.
+            While ``torch.distributed.pipelining`` is imported, such a model may be a pipeline
+            stage's: a :class:`~gradaccum.torch.distributed.pipeline.PendingSync` then defers the
+            refusal to its first micro-batch, unless that comes through ``backward_pipeline``.
 
     Example:
         >>> make_sync(None).world_size
@@ -57,9 +62,12 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
         )
     if dist.get_world_size() > 1:
         # Each rank would normalize by its own item total, and the ranks drift apart silently.
-        raise ValueError(
+        refusal = (
             f"model={'None' if model is None else type(model).__name__} while a process group of "
             f"{dist.get_world_size()} ranks is initialized: pass the DistributedDataParallel model "
             "(or the FSDP2 root) as model=, so gradients and item totals are averaged over every "
             "rank once per window; for ranks that train independently on purpose, pass sync='local'")
+        if "torch.distributed.pipelining" in sys.modules:
+            return PendingSync(refusal, mode)  # a pipeline stage's module: decided at its first micro-batch
+        raise ValueError(refusal)
     return LocalSync()

@@ -1,0 +1,234 @@
+"""``Accumulator.backward_pipeline``: one pipeline ``schedule.step()`` as one micro-batch of the window.
+
+A ``torch.distributed.pipelining`` schedule splits the batch into its ``n_microbatches`` pipeline
+micro-batches and backpropagates each one's loss inside ``step()``. So the weight of a pipeline
+micro-batch in the window is put on its loss: for the call, the schedule's ``_compute_loss`` (where
+it calls ``loss_fn`` on each micro-batch) is wrapped so that the loss it backpropagates is
+
+* ``loss_fn(output, target) * count / P`` with ``reduction="mean"`` and ``n_items`` a function of
+  the target chunk (each micro-batch's mean weighted by its own count),
+* ``loss_fn(output, target) / P`` with ``reduction="sum"`` (a sum over the items already is
+  ``count * mean``),
+* ``loss_fn(output, target) / (N * n_microbatches)`` without ``n_items`` (a mean over every
+  pipeline micro-batch of the window),
+
+times a GradScaler's scale, where ``P`` is the window's provisional total (core/window.py: a power
+of two near ``N`` times the count per call, or 1 where no gradient can overflow). Every stage's
+gradient comes from these seeds; at the boundary every stage is corrected by ``P / T``, ``T`` the
+window's true total over every call and data-parallel rank, which the one boundary all-reduce
+brings to every rank (torch/_pipeline_boundary.py). The ranks' agreement and the deferral of a
+problem only one rank sees: torch/_pipeline_checks.py.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from gradaccum.core.window import Window
+from gradaccum.torch._pipeline_boundary import step_pipeline_window
+from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed, Call, check_call
+from gradaccum.torch._weights import wide_count
+from gradaccum.torch.distributed.pipeline import PipelineSync, schedule_stages
+
+__all__ = ["backward_pipeline", "pow2_total"]
+
+
+def pow2_total(count: float, size: int) -> float:
+    """The provisional total of a pipeline window: the power of two in ``(size * count, 2 * size *
+    count]`` (1 for no count), so that every seed ``count_i / P`` is exact.
+
+    Example:
+        >>> pow2_total(3, 4), pow2_total(0, 4)
+        (16.0, 1.0)
+    """
+    x = float(count) * size
+    if not (x > 0 and math.isfinite(x)):
+        return 1.0
+    return math.ldexp(1.0, math.frexp(x)[1])
+
+
+def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: Any, n_items: Any,
+                      reduction: Any, kwargs: dict[str, Any]) -> bool:
+    """Run ``schedule.step(*args, target=target, **kwargs)`` as one micro-batch of ``acc``'s window
+    (``Accumulator.backward_pipeline`` documents the contract)."""
+    sync = _attach(acc, schedule)
+    window: Window = acc._window
+    n_mb = sync.n_microbatches = int(schedule._n_microbatches)
+    call = check_call(acc, sync, schedule, target, n_items, reduction, n_mb)
+    agreed = sync.agreed  # the schedule and window record the last call left (identity, not value)
+    if sync.every_call or agreed is None or agreed[0] is not schedule or agreed[1] is not window:
+        if agreed is not None and agreed[1] is not window:
+            sync.poison = []  # the window was replaced (load_state_dict): its problems went with it
+        sync.weights = _agree(acc, sync, call, n_mb)
+    elif call.problems:
+        sync.poison += [f"{code}: {detail}" for code, detail in call.problems.items()]
+    weights: Agreed = sync.weights
+    scale = window.scale if window.micro_step else (
+        pow2_total(window.basis or weights.first_count or 1, window.size) if weights.use_scale else None)
+    losses = kwargs.get("losses")
+    collect = acc._precision.collect if acc._precision.buffers is not None else None
+    try:
+        with sync.controlled(collect), _weighted(acc, schedule, call, scale, window.size * n_mb):
+            schedule.step(*args, target=target if target is not None or not call.last else _dummy(n_mb),
+                          **kwargs)
+    except BaseException:
+        sync.agreed = None  # its gradients are partly accumulated (discard() drops them): agree again
+        raise
+    if isinstance(losses, list):  # the schedule's own list: the losses as loss_fn returned them
+        losses[:] = call.raw
+    nxt = _advance(window, call, scale)
+    acc._guard.note()
+    stepped: bool = acc._commit(nxt)
+    sync.agreed = (schedule, acc._window)
+    return stepped
+
+
+def _attach(acc: Any, schedule: Any) -> PipelineSync:
+    """The accumulator's :class:`PipelineSync`, made from ``schedule`` at the first call."""
+    sync = acc._sync
+    if isinstance(sync, PipelineSync):
+        return sync
+    stages = schedule_stages(schedule)
+    if not hasattr(schedule, "_compute_loss") or not hasattr(schedule, "_n_microbatches"):
+        raise RuntimeError(f"backward_pipeline needs torch.distributed.pipelining's schedule internals "
+                           f"(_compute_loss, _n_microbatches), which torch {torch.__version__} lacks")
+    device = acc._params[0].device if acc._params else torch.device(stages[0].device)
+    new = PipelineSync(stages, getattr(sync, "mode", "window"), device)
+    new.wide_buffers = acc._precision.buffers is not None and new.world_size > 1
+    for dp in new.dp:
+        if hasattr(dp.module, "require_backward_grad_sync"):
+            # DDP: the stage arms the all-reduce of a step()'s last backward itself; off, DDP's own
+            # forward arms nothing (the schedule's first step() infers its metadata through it).
+            dp.module.require_backward_grad_sync = False
+    owned = {id(p) for s in stages for p in s.submod.parameters()}
+    new.foreign = sum(id(p) not in owned for p in acc._params)
+    ref = weakref.ref(acc)
+
+    def next_size() -> int:
+        a = ref()
+        if a is None:
+            return 0
+        return int(a.schedule(a.epoch if a.schedule.by == "epoch" else a.optimizer_steps + 1))
+
+    new.next_size = next_size
+    new.flush_pairs = lambda: _pairs(ref(), new, FLUSH, new.n_microbatches)
+    if acc._precision.scaler is not None and acc._precision.scaler.is_enabled():
+        acc._precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
+    acc._sync = new
+    acc._boundary = step_pipeline_window
+    new.prepare(acc._window.next_is_last)
+    return new
+
+
+def _agree(acc: Any, sync: PipelineSync, call: Call, n_mb: int) -> Agreed:
+    """The MAX all-reduce before a ``step()`` (the run's first call, after a restore, or every call
+    with ``PipelineSync.every_call``)."""
+    first = 0.0 if sync.weights is None else sync.weights.first_count
+    overflow_prone = acc._precision.overflow_prone
+    if sync.weights is None and call.last and call.items and not call.problems and overflow_prone:
+        first = _host_count(_first_count(call))
+    last = [sync.has_last, call.last and call.items, call.last and call.summed, first,
+            acc._precision.overflow_prone, bool(sync.poison)]
+    return sync.agree(_pairs(acc, sync, CALL, n_mb), last, call.problems)
+
+
+def _pairs(acc: Any, sync: PipelineSync, operation: int, n_mb: int) -> list[float]:
+    """What every rank must hold alike (torch/_pipeline_checks.py's pairs), in their order."""
+    window, precision = acc._window, acc._precision
+    return [operation, window.size, window.micro_step, n_mb, sync.n_stages, precision.scaler is not None,
+            -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
+
+
+def _first_count(call: Call) -> Any:
+    """The run's first call's count, for the first window's ``P`` (a function of the target is
+    given the whole batch's target: any positive value would do, ``P`` cancels)."""
+    n = call.n_items
+    return n(call.target) if callable(n) else n
+
+
+def _host_count(n: Any) -> float:
+    return float(n.detach().double().sum()) if isinstance(n, torch.Tensor) else float(n)
+
+
+class _weighted:
+    """For one ``step()``: the schedule's ``_compute_loss`` weighs each micro-batch's loss."""
+
+    def __init__(self, acc: Any, schedule: Any, call: Call, scale: Any, micro_batches: int) -> None:
+        self.schedule, self.call = schedule, call
+        precision = acc._precision
+        active = precision.scaler is not None and precision.scaler.is_enabled()
+        self.scaled = precision.scale if active else None
+        self.inv = None if scale is None else 1.0 / scale
+        self.mean = 1.0 / micro_batches  # a mean over every pipeline micro-batch of the window
+
+    def __enter__(self) -> None:
+        self.real_scale_grads = self.schedule.scale_grads
+        self.schedule.scale_grads = False  # refused at the agreement; a later change is ignored
+        self.schedule._compute_loss = self.compute_loss
+
+    def __exit__(self, *exc: Any) -> None:
+        vars(self.schedule).pop("_compute_loss", None)
+        self.schedule.scale_grads = self.real_scale_grads
+
+    def compute_loss(self, output: Any, target: Any,
+                     loss_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        call = self.call
+        if call.problems:  # a harmless step: a zero loss through the output (no label needed)
+            return sum((t.sum() for t in tree_leaves(output)
+                        if isinstance(t, torch.Tensor) and t.requires_grad), torch.zeros(())) * 0.0
+        raw = self.schedule._loss_fn(output, target, **(loss_kwargs or {}))
+        call.raw.append(raw)
+        loss = _weigh(raw, call, target, self.inv, self.mean)
+        return loss if self.scaled is None else self.scaled(loss)
+
+
+def _weigh(raw: torch.Tensor, call: Call, target: Any, inv: float | None, mean: float) -> torch.Tensor:
+    """One pipeline micro-batch's loss times its weight in the window (module docstring)."""
+    detached = raw.detach()
+    n = call.n_items
+    if n is None:
+        call.parts.append((detached, 1))
+        return raw * mean
+    count = n(target) if callable(n) else n
+    call.counts.append(count)
+    if call.summed:
+        call.parts.append((detached, 1))
+        return raw if inv is None else raw * inv
+    call.parts.append((detached, count))
+    loss: torch.Tensor = raw * count
+    return loss if inv is None else loss * inv
+
+
+def _advance(window: Window, call: Call, scale: Any) -> Window:
+    """The window after this call: on the last stage its count total and losses; elsewhere only
+    the step (the boundary all-reduce brings every rank the last stage's totals)."""
+    if not call.last or call.problems:
+        term = 0 if window.weighting == "items" else None
+        return window.advance(term, scale=scale)
+    if not call.items:
+        return window.advance(None, scale=scale, losses=tuple(call.parts))
+    counts = call.counts if not call.summed or callable(call.n_items) else [call.n_items]
+    total = _total(counts)
+    joins = not window.micro_step or not isinstance(window.items, torch.Tensor)
+    if isinstance(total, torch.Tensor) and joins:
+        total = wide_count(total)
+    return window.advance(total, scale=scale, summed=call.summed, losses=tuple(call.parts))
+
+
+def _total(counts: list[Any]) -> Any:
+    if not any(isinstance(c, torch.Tensor) for c in counts):
+        return sum(counts)
+    total = counts[0]
+    for c in counts[1:]:
+        total = total + c
+    return total
+
+
+def _dummy(n_mb: int) -> torch.Tensor:
+    """A target the schedule can split while the last stage's missing target is being reported."""
+    return torch.zeros(n_mb)
