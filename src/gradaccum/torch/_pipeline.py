@@ -82,7 +82,7 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
     if isinstance(losses, list):  # the schedule's own list: the losses as loss_fn returned them
         losses[:] = call.raw
     nxt = _advance(window, call, scale)
-    acc._guard.note()
+    acc._guard.note_passes(n_mb)  # each pipeline micro-batch's backward adds into .grad
     stepped: bool = acc._commit(nxt)
     sync.agreed = (schedule, acc._window)
     return stepped

@@ -60,8 +60,8 @@ PROBLEMS: dict[str, str] = {
     "stages": "the schedule runs other stages than the ones this accumulator's window was built on",
     "params": "the optimizer holds parameters that are in none of this rank's pipeline stages: pass "
               "the stage modules' parameters (all stages this rank runs) to the optimizer",
-    "gradients": "the window's gradients were changed outside the accumulator, or another "
-                 "accumulator holds an open window over them",
+    "gradients": "the window's gradients (or the scheduler) were changed outside the accumulator, "
+                 "or another accumulator holds an open window over them",
 }
 _CODES = tuple(PROBLEMS)
 # (name, what it is) of every value the ranks must hold alike: (v, -v) in a MAX all-reduce.
@@ -199,6 +199,7 @@ def check_call(acc: Any, sync: Any, schedule: Any, target: Any, n_items: Any, re
             acc._guard.check(window.micro_step, window.size)
         else:
             acc._holders.check_first(acc)
+            acc._guard.check_first()  # stale gradients, a scheduler stepped outside
     except RuntimeError as e:
         problems["gradients"] = str(e)
     return call

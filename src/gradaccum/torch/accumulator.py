@@ -255,7 +255,13 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         """
         from gradaccum.torch._pipeline import backward_pipeline
 
-        return backward_pipeline(self, schedule, args, target, n_items, reduction, kwargs)
+        if self._entered:
+            refuse_entry("backward_pipeline")
+        self._entered = True
+        try:
+            return backward_pipeline(self, schedule, args, target, n_items, reduction, kwargs)
+        finally:
+            self._entered = False
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
