@@ -115,6 +115,32 @@ def test_a_pipeline_window_refuses_a_plain_backward(group):
         acc.backward(token_sum(mod(t), y))
 
 
+def test_a_stale_gradient_before_the_first_call_is_refused_before_anything_runs(group):
+    schedule, mod, acc = pipeline()
+    t, y = data(1)[0][0][0]
+    token_sum(mod(t), y).backward()  # the user's own backward before the loop
+    before = [p.detach().clone() for p in mod.parameters()]
+    with pytest.raises(ValueError, match="already holds a nonzero gradient"):
+        acc.backward_pipeline(schedule, t, target=y, n_items=count, reduction="sum")
+    assert acc.micro_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(mod.parameters(), before, strict=True))
+
+
+def test_a_gradient_edited_mid_window_drops_the_window_at_its_boundary(group):
+    # Not the probe (the first parameter): the whole-window check, which counts one backward pass
+    # per pipeline micro-batch, finds it before the window's last call.
+    schedule, mod, acc = pipeline()
+    calls = data(1)[0][0]
+    before = [p.detach().clone() for p in mod.parameters()]
+    acc.backward_pipeline(schedule, *calls[0][:1], target=calls[0][1], n_items=count, reduction="sum")
+    list(mod.parameters())[-1].grad.mul_(2)
+    acc.backward_pipeline(schedule, *calls[1][:1], target=calls[1][1], n_items=count, reduction="sum")
+    with pytest.raises(ValueError, match="changed in place"):
+        acc.backward_pipeline(schedule, *calls[2][:1], target=calls[2][1], n_items=count, reduction="sum")
+    assert acc.optimizer_steps == 0
+    assert all(torch.equal(p, b) for p, b in zip(mod.parameters(), before, strict=True))
+
+
 def test_flush_applies_a_partial_pipeline_window_as_its_own_mean(group):
     schedule, mod, acc = pipeline(clip=None)
     window = data(1)[0]
