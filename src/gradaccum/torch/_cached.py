@@ -45,7 +45,7 @@ from gradaccum.core.window import Window
 from gradaccum.torch._grads import grads_used_anywhere
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, check_second, gradient_slices, representations
+from gradaccum.torch._reps import Layout, check_second, gradient_slices, ranks_running_loss, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
@@ -158,7 +158,8 @@ class CachedBackward:
             norms.restore()  # the first pass's statistics updates: the second pass makes them once
             layout, leaves, own, count = representations(results, n, self.sync)
             del results
-            loss = _check_result(loss_fn(*leaves))
+            with ranks_running_loss(self.sync):  # the tiled losses share their rows out
+                loss = _check_result(loss_fn(*leaves))
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
             nxt, seed = self._weigh(window, share, count, summed)
             end = RngStates.capture()
