@@ -141,17 +141,22 @@ def test_the_default_tile_is_exact_too():
     assert max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)) < 1e-12
 
 
-def test_autocast_does_not_change_the_loss_and_bf16_features_give_a_float32_loss():
+@pytest.mark.parametrize("name", LOSSES)
+def test_under_autocast_the_products_run_in_its_dtype_and_the_sums_in_float32(name):
     a = normalize(features(50, dim=8, seed=13, dtype=torch.float32), dim=1)
     b = normalize(features(50, dim=8, seed=14, dtype=torch.float32), dim=1)
-    plain = clip_loss(a, b, 10.0, tile=16)
+    scalars = [10.0, -5.0][:LOSSES[name][2]]
+    tiled, dense, _ = LOSSES[name]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        inside = clip_loss(a, b, 10.0, tile=16)
-    assert inside.dtype == torch.float32 and torch.equal(inside, plain)  # autocast is off inside
-    half = clip_loss(a.bfloat16(), b.bfloat16(), 10.0, tile=16)
-    assert half.dtype == torch.float32
-    torch.testing.assert_close(half, clip_dense(a.bfloat16().float(), b.bfloat16().float(), 10.0),
-                               rtol=2e-2, atol=2e-2)
+        inside = tiled(a, b, *scalars, tile=16)
+        want = dense(a, b, *scalars)  # autocast: a bf16 a @ b.T, a float32 cross-entropy
+        got_grads, want_grads = (torch.autograd.grad(x, [a]) for x in (inside, want))
+    rounded = tiled(a.bfloat16(), b.bfloat16(), *scalars, tile=16)  # bf16 features: bf16 products
+    plain = tiled(a, b, *scalars, tile=16)
+    assert inside.dtype == rounded.dtype == torch.float32 and torch.equal(inside, rounded)
+    assert not torch.equal(inside, plain)  # the negative twin: autocast did change the products
+    torch.testing.assert_close(inside, want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_grads[0], want_grads[0], rtol=5e-2, atol=5e-3)
 
 
 def test_double_backward_is_refused_with_a_clear_error():

@@ -28,6 +28,7 @@ Example:
     (torch.Size([8, 4]), torch.Size([]))
 """
 
+import gradaccum.torch  # noqa: F401  # first: without torch, its one-line ImportError naming the install
 from gradaccum.contrastive._losses import clip_loss, info_nce, siglip_loss
 from gradaccum.contrastive._rank_local import rank_local
 

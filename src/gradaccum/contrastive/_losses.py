@@ -15,14 +15,23 @@ import torch
 from gradaccum.contrastive._checks import check_pair, check_scalar, check_tile
 from gradaccum.contrastive._lse import column_and_row_lse, row_lse
 from gradaccum.contrastive._softplus import softplus_rows
-from gradaccum.contrastive._tiles import Share
+from gradaccum.contrastive._tiles import Plan, Share, gemm_dtype, work_dtype
 
 __all__ = ["clip_loss", "info_nce", "siglip_loss"]
 
 
-def _positives(a: torch.Tensor, b: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """``a_i . b_i`` for each row ``i`` of ``a`` (in ``work``)."""
-    return (a.to(work) * b[:len(a)].to(work)).sum(1)
+def _plan(a: torch.Tensor, tile: Any) -> Plan:
+    """How the kernel walks ``a``'s rows: the checked tile, this process's share, the products' dtype."""
+    return Plan(check_tile(tile, a.device), Share.of(len(a)), gemm_dtype(a))
+
+
+def _positives(a: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """``a_i . b_i`` for each row ``i`` of ``a``: the operands rounded to the plan's product
+    dtype, as in the blocks, and summed in its work dtype."""
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(plan.gemm).to(work_dtype(plan.gemm))
+
+    return (rounded(a) * rounded(b[:len(a)])).sum(1)
 
 
 def clip_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: Any, *, tile: int | None = None) -> torch.Tensor:
@@ -64,9 +73,9 @@ def clip_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: Any, *, tile: int |
     """
     a, b = check_pair(("a", "b"), a, b, same_rows=True)
     s = check_scalar("logit_scale", logit_scale, a)
-    tile = check_tile(tile, a.device)
-    r, c = column_and_row_lse(a, b, s, tile, Share.of(len(a)))
-    return (r.mean() + c.mean()) / 2 - s.to(r.dtype) * _positives(a, b, r.dtype).mean()
+    plan = _plan(a, tile)
+    r, c = column_and_row_lse(a, b, s, plan)
+    return (r.mean() + c.mean()) / 2 - s.to(r.dtype) * _positives(a, b, plan).mean()
 
 
 def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: Any, *,
@@ -100,9 +109,9 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: Any, *,
     """
     queries, keys = check_pair(("queries", "keys"), queries, keys, same_rows=False)
     s = check_scalar("scale", scale, queries)
-    tile = check_tile(tile, queries.device)
-    r = row_lse(queries, keys, s, tile, Share.of(len(queries)))
-    return r.mean() - s.to(r.dtype) * _positives(queries, keys, r.dtype).mean()
+    plan = _plan(queries, tile)
+    r = row_lse(queries, keys, s, plan)
+    return r.mean() - s.to(r.dtype) * _positives(queries, keys, plan).mean()
 
 
 def siglip_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: Any, logit_bias: Any, *,
@@ -138,7 +147,7 @@ def siglip_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: Any, logit_bias: 
     a, b = check_pair(("a", "b"), a, b, same_rows=True)
     s = check_scalar("logit_scale", logit_scale, a)
     t = check_scalar("logit_bias", logit_bias, a)
-    tile = check_tile(tile, a.device)
-    u = softplus_rows(a, b, s, t, tile, Share.of(len(a)))
-    positives = s.to(u.dtype) * _positives(a, b, u.dtype) + t.to(u.dtype)
+    plan = _plan(a, tile)
+    u = softplus_rows(a, b, s, t, plan)
+    positives = s.to(u.dtype) * _positives(a, b, plan) + t.to(u.dtype)
     return (u.sum() - positives.sum()) / len(a)

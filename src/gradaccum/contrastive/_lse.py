@@ -22,13 +22,12 @@ import torch
 
 from gradaccum.contrastive._tiles import (
     Grads,
+    Plan,
     Share,
     accumulate,
     logits,
     no_autocast,
     refuse_double_backward,
-    spans,
-    work_dtype,
 )
 
 __all__ = ["TiledLogSumExp", "column_and_row_lse", "row_lse"]
@@ -52,28 +51,28 @@ def _combine(share: Share, r: torch.Tensor, c: torch.Tensor | None
 
 class TiledLogSumExp(torch.autograd.Function):
     """``r = logsumexp(s * a @ b.T, dim=1)`` and, with ``columns``, ``c = logsumexp(..., dim=0)``,
-    tile by tile (both in the work dtype: float32 for 16-bit inputs)."""
+    tile by tile (both in the plan's work dtype: float32 for 16-bit products)."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, tile: int,
-                columns: bool, share: Share) -> Any:
-        work = work_dtype(a.dtype)
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, plan: Plan,
+                columns: bool) -> Any:
+        work, share = plan.work, plan.share
         with no_autocast(a.device):
-            s = scale.detach().to(work)
+            ag, bg, s = a.to(plan.gemm), b.to(plan.gemm), scale.detach().to(work)
             r = torch.zeros(len(a), dtype=work, device=a.device)
             r[share.lo:share.hi] = -torch.inf
             c = torch.full((len(b),), -torch.inf, dtype=work, device=a.device) if columns else None
-            for i0, i1 in spans(share.lo, share.hi, tile):
-                ai, ri = a[i0:i1], r[i0:i1]
-                for j0, j1 in spans(0, len(b), tile):
-                    block = logits(ai, b[j0:j1], s, work)
+            for i0, i1 in plan.rows():
+                ai, ri = ag[i0:i1], r[i0:i1]
+                for j0, j1 in plan.columns(len(b)):
+                    block = logits(ai, bg[j0:j1], s, work)
                     torch.logaddexp(ri, block.logsumexp(1), out=ri)
                     if c is not None:
                         cj = c[j0:j1]
                         torch.logaddexp(cj, block.logsumexp(0), out=cj)
             r, c = _combine(share, r, c)
         ctx.save_for_backward(a, b, scale, r, c)
-        ctx.tile, ctx.share = tile, share
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return (r, c) if columns else r
 
@@ -81,16 +80,17 @@ class TiledLogSumExp(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         refuse_double_backward("clip_loss/info_nce")
         a, b, scale, r, c = ctx.saved_tensors
-        g_r, g_c = (grads[0], grads[1] if len(grads) > 1 else None)
-        share, tile, work = ctx.share, ctx.tile, r.dtype
+        g_r, g_c = grads[0], grads[1] if len(grads) > 1 else None
+        plan: Plan = ctx.plan
+        work = plan.work
         with no_autocast(a.device):
-            s = scale.detach().to(work)
+            ag, bg, s = a.to(plan.gemm), b.to(plan.gemm), scale.detach().to(work)
             out = Grads(a, b, 1, work)
             if g_r is not None or g_c is not None:
-                for i0, i1 in spans(share.lo, share.hi, tile):
-                    ai = a[i0:i1]
-                    for j0, j1 in spans(0, len(b), tile):
-                        bj = b[j0:j1]
+                for i0, i1 in plan.rows():
+                    ai = ag[i0:i1]
+                    for j0, j1 in plan.columns(len(b)):
+                        bj = bg[j0:j1]
                         block = logits(ai, bj, s, work)
                         d = None
                         if g_r is not None:
@@ -99,28 +99,23 @@ class TiledLogSumExp(torch.autograd.Function):
                             q = block.sub_(c[None, j0:j1]).exp_().mul_(g_c[None, j0:j1])
                             d = q if d is None else d.add_(q)
                         assert d is not None
-                        dx = d.to(a.dtype)
+                        dx = d.to(plan.gemm)
                         accumulate(out.a[i0:i1], dx, bj)
                         accumulate(out.b[j0:j1], dx.T, ai)
-                own = slice(share.lo, share.hi)
-                out.scalars[0] = torch.dot(a[own].reshape(-1).to(work), out.a[own].reshape(-1))
-            share.sum_(out.flat)
-            need = ctx.needs_input_grad
-            da = out.a.mul_(s).to(a.dtype) if need[0] else None
-            db = out.b.mul_(s).to(b.dtype) if need[1] else None
-            ds = out.scalars[0].to(scale.dtype).reshape(scale.shape) if need[2] else None
-        return da, db, ds, None, None, None
+                out.scale_dot(ag, plan.share)
+            plan.share.sum_(out.flat)
+            return (*out.results(a, b, (scale,), s, ctx.needs_input_grad), None, None)
 
 
-def row_lse(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, tile: int, share: Share) -> torch.Tensor:
+def row_lse(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, plan: Plan) -> torch.Tensor:
     """``logsumexp(scale * a @ b.T, dim=1)``, tiled (:class:`TiledLogSumExp`)."""
-    r: torch.Tensor = TiledLogSumExp.apply(a, b, scale, tile, False, share)  # type: ignore[no-untyped-call]
+    r: torch.Tensor = TiledLogSumExp.apply(a, b, scale, plan, False)  # type: ignore[no-untyped-call]
     return r
 
 
-def column_and_row_lse(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, tile: int, share: Share
+def column_and_row_lse(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, plan: Plan
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-sum-exps of ``scale * a @ b.T`` over each row and over each column, tiled."""
     both: tuple[torch.Tensor, torch.Tensor] = TiledLogSumExp.apply(  # type: ignore[no-untyped-call]
-        a, b, scale, tile, True, share)
+        a, b, scale, plan, True)
     return both

@@ -1,4 +1,4 @@
-"""What the tiled kernels share: the rows this process computes, the tiles, their dtype, and the
+"""What the tiled kernels share: the rows this process computes, the tiles, their dtypes, and the
 gradient buffer the ranks sum in one all-reduce.
 
 A kernel walks the ``tile x tile`` blocks of ``scale * a @ b.T`` over its share of the rows of ``a``
@@ -6,6 +6,10 @@ and every row of ``b``; it never holds more than a few blocks at once. On one pr
 every row. While ``loss_fn`` of ``Accumulator.backward_cached`` runs on several ranks, every rank
 holds the same gathered inputs (``gradaccum.torch._reps.loss_ranks``), so the rows are shared out
 evenly: each rank computes its block of rows against every column, and the ranks sum their parts.
+
+Dtypes (:class:`Plan`): the blocks' matrix products run in the inputs' dtype, or, under autocast,
+in autocast's dtype for float32 inputs (as the dense ``a @ b.T`` would); their exponentials and
+every sum run in float32 at least (float64 inputs stay float64). Autocast itself is off inside.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import torch.distributed as dist
 from gradaccum.torch._reps import loss_ranks
 from gradaccum.torch.distributed.collectives import RankGroups
 
-__all__ = ["CPU_TILE", "CUDA_TILE", "Grads", "Share", "accumulate", "logits", "no_autocast", "pick_tile",
-           "refuse_double_backward", "spans", "work_dtype"]
+__all__ = ["CPU_TILE", "CUDA_TILE", "Grads", "Plan", "Share", "accumulate", "gemm_dtype", "logits",
+           "no_autocast", "pick_tile", "refuse_double_backward", "spans", "work_dtype"]
 
 CPU_TILE = 1024  # 4 MiB per float32 block
-CUDA_TILE = 4096  # 64 MiB per float32 block: large enough to keep a GPU busy
+CUDA_TILE = 8192  # 256 MiB per float32 block: each block's work outweighs launching its kernels
 
 
 def pick_tile(device: torch.device) -> int:
@@ -34,9 +38,18 @@ def pick_tile(device: torch.device) -> int:
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the blocks' exponentials and of every sum: float32 for 16-bit inputs, else
-    the inputs' own (float32 or float64)."""
+    """The dtype of the blocks' exponentials and of every sum: float32 for 16-bit products, else
+    the products' own (float32 or float64)."""
     return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def gemm_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the blocks' products: autocast's for float32 inputs under autocast on their
+    device (as autocast runs ``a @ b.T``), else the inputs' own."""
+    kind = t.device.type
+    if t.dtype == torch.float32 and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,34 @@ class Share:
         """The element-wise maximum of ``tensor`` over the ranks, in place."""
         if self.ranks is not None:
             self.ranks.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a kernel walks its blocks.
+
+    Attributes:
+        tile: the rows and columns of one block.
+        share: this process's rows.
+        gemm: the dtype of the blocks' products (:func:`gemm_dtype`).
+    """
+
+    tile: int
+    share: Share
+    gemm: torch.dtype
+
+    @property
+    def work(self) -> torch.dtype:
+        """The dtype of the exponentials and of every sum (:func:`work_dtype`)."""
+        return work_dtype(self.gemm)
+
+    def rows(self) -> Iterator[tuple[int, int]]:
+        """Each block of this process's rows."""
+        return spans(self.share.lo, self.share.hi, self.tile)
+
+    def columns(self, count: int) -> Iterator[tuple[int, int]]:
+        """Each block of ``count`` columns."""
+        return spans(0, count, self.tile)
 
 
 def spans(lo: int, hi: int, tile: int) -> Iterator[tuple[int, int]]:
@@ -107,6 +148,23 @@ class Grads:
         self.a = self.flat[:rows * d].view(rows, d)
         self.b = self.flat[rows * d:(rows + cols) * d].view(cols, d)
         self.scalars = self.flat[(rows + cols) * d:]
+
+    def scale_dot(self, a: torch.Tensor, share: Share) -> None:
+        """Put ``sum_i a_i . (dS @ b)_i`` over this process's rows (the scale's gradient, ``dS``
+        the blocks' gradients) into ``scalars[0]``."""
+        own = slice(share.lo, share.hi)
+        self.scalars[0] = torch.dot(a[own].reshape(-1).to(self.a.dtype), self.a[own].reshape(-1))
+
+    def results(self, a: torch.Tensor, b: torch.Tensor, scalars: tuple[torch.Tensor, ...],
+                scale: torch.Tensor, need: tuple[bool, ...]) -> list[torch.Tensor | None]:
+        """The gradients of ``a``, ``b`` and ``scalars`` in their own dtypes and shapes (None where
+        ``need`` says none is needed); those of ``a`` and ``b`` multiplied by ``scale``."""
+        out: list[torch.Tensor | None] = [
+            self.a.mul_(scale).to(a.dtype) if need[0] else None,
+            self.b.mul_(scale).to(b.dtype) if need[1] else None]
+        for k, t in enumerate(scalars):
+            out.append(self.scalars[k].to(t.dtype).reshape(t.shape) if need[2 + k] else None)
+        return out
 
 
 def no_autocast(device: torch.device) -> Any:
