@@ -43,9 +43,10 @@ from torch import nn
 
 from gradaccum.core.window import Window
 from gradaccum.torch._grads import grads_used_anywhere
+from gradaccum.torch._loss_ranks import ranks_running_loss
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, check_second, gradient_slices, ranks_running_loss, representations
+from gradaccum.torch._reps import Layout, check_second, gradient_slices, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.distributed.base import GradSync, agree_on_count

@@ -6,17 +6,11 @@ The first pass fixes a :class:`Layout` (how many outputs, their dtypes, trailing
 per chunk); the second pass must return the same, with grad on every floating output. Each check
 names the chunk and the output it found wrong, and raises before any gradient changes. Under data
 parallel the ranks exchange their layouts first, so that a problem on one rank is raised on all.
-
-While ``loss_fn`` runs under data parallel, :func:`loss_ranks` names the ranks that run it on the
-same gathered leaves (:func:`ranks_running_loss` sets it): a loss that knows it (the tiled losses
-of ``gradaccum.contrastive``) may then share its rows out among the ranks and combine the parts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -24,8 +18,7 @@ import torch
 from gradaccum.torch.distributed.base import GradSync
 from gradaccum.torch.distributed.collectives import RankGroups
 
-__all__ = ["Layout", "as_outputs", "check_second", "gradient_slices", "loss_ranks", "ranks_running_loss",
-           "representations"]
+__all__ = ["Layout", "as_outputs", "check_second", "gradient_slices", "representations"]
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -209,27 +202,3 @@ def gradient_slices(layout: Layout, leaves: list[torch.Tensor], own: list[int], 
         raise ValueError("loss_fn's result does not depend on any floating output of encode: there is "
                          "no gradient to send back through the encoder")
     return [list(row) for row in zip(*columns, strict=True)]
-
-
-_LOSS_RANKS: ContextVar[RankGroups | None] = ContextVar("gradaccum_loss_ranks", default=None)
-
-
-@contextmanager
-def ranks_running_loss(sync: GradSync) -> Iterator[None]:
-    """While the block runs (``loss_fn`` on the gathered leaves), :func:`loss_ranks` returns
-    ``sync`` when it spans more than one rank: every rank runs the same loss on the same inputs."""
-    if sync.world_size == 1:
-        yield
-        return
-    assert isinstance(sync, RankGroups)
-    token = _LOSS_RANKS.set(sync)
-    try:
-        yield
-    finally:
-        _LOSS_RANKS.reset(token)
-
-
-def loss_ranks() -> RankGroups | None:
-    """The ranks that run the current ``loss_fn`` on the same gathered representations, or None
-    (one process, or outside ``backward_cached``'s loss)."""
-    return _LOSS_RANKS.get()
