@@ -124,7 +124,8 @@ def siglip_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: Any, logit_bias: 
     several ranks, each computes its share of the rows.
 
     Args:
-        a, b: ``(B, d)`` features, row ``i`` of each one pair (taken as given).
+        a: ``(B, d)`` features, one row per pair (taken as given).
+        b: ``(B, d)`` features of the other modality, row ``i`` the pair of ``a``'s row ``i``.
         logit_scale: the multiplier, a float or a one-element tensor (learnable).
         logit_bias: the bias, a float or a one-element tensor (learnable).
         tile: rows and columns of one block (None: 1,024 on the CPU, 4,096 on a GPU).
