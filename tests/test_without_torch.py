@@ -64,7 +64,9 @@ def test_gradaccum_mindspore_imports_without_torch(blocker):
 @BLOCKERS
 @pytest.mark.parametrize("use", ["import gradaccum\ngradaccum.Accumulator",
                                  "from gradaccum import Accumulator", "import gradaccum.torch",
-                                 "import gradaccum\ngradaccum.count_tokens"])
+                                 "import gradaccum\ngradaccum.count_tokens",
+                                 "import gradaccum\ngradaccum.contrastive",
+                                 "from gradaccum.contrastive import clip_loss"])
 def test_a_pytorch_name_without_torch_raises_one_line_naming_the_install(blocker, use):
     out = run(blocker, use)
     assert out.returncode == 1
@@ -97,6 +99,14 @@ def test_the_torch_module_is_an_attribute_before_anyone_imports_it():
     code = "import gradaccum\nprint(gradaccum.torch.Accumulator is gradaccum.Accumulator)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_the_contrastive_module_is_an_attribute_before_anyone_imports_it():
+    code = ("import sys, gradaccum\nbefore = 'gradaccum.contrastive' in sys.modules\n"
+            "from gradaccum.contrastive import clip_loss\n"
+            "print(before, gradaccum.contrastive.clip_loss is clip_loss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "True"], out.stderr
 
 
 def test_an_unknown_name_is_still_an_attribute_error():

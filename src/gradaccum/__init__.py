@@ -4,7 +4,8 @@ Split each batch into micro-batches, accumulate their gradients, update once: ex
 update as the large batch, to float tolerance.
 
 ``import gradaccum`` loads the framework-free core only; the PyTorch names (``Accumulator``,
-``AutoBatch``, ``check_equivalence``, ...) import torch when first used, so that
+``AutoBatch``, ``check_equivalence``, ...) and the modules ``gradaccum.torch`` and
+``gradaccum.contrastive`` (the tiled contrastive losses) import torch when first used, so that
 ``gradaccum.mindspore`` and ``gradaccum.core`` work where torch is not installed. Without torch,
 using a PyTorch name raises one ImportError that names what to install.
 
@@ -47,7 +48,11 @@ _TORCH_NAMES = frozenset({
     "to_window_batchnorm", "window_batchnorm",
 })
 
+# The modules that need torch, loaded on first use as attributes (gradaccum.contrastive.clip_loss).
+_TORCH_MODULES = frozenset({"torch", "contrastive"})
+
 if TYPE_CHECKING:
+    from gradaccum import contrastive as contrastive  # the tiled losses, as after an eager import
     from gradaccum import torch as torch  # the adapter module, as after an eager import
     from gradaccum.torch import (
         Accumulator,
@@ -72,12 +77,15 @@ if TYPE_CHECKING:
 else:
     # Only at run time: a type checker that saw a module __getattr__ would accept any name.
     def __getattr__(name: str) -> Any:
-        """Load a PyTorch name (or the ``gradaccum.torch`` module itself) on first use."""
-        if name != "torch" and name not in _TORCH_NAMES:
+        """Load a PyTorch name (or the module ``gradaccum.torch`` or ``gradaccum.contrastive``) on
+        first use."""
+        if name not in _TORCH_MODULES and name not in _TORCH_NAMES:
             raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
         # gradaccum.torch raises the one-line ImportError naming what to install without torch.
-        api = importlib.import_module("gradaccum.torch")
-        value = api if name == "torch" else getattr(api, name)
+        if name in _TORCH_MODULES:
+            value = importlib.import_module(f"gradaccum.{name}")
+        else:
+            value = getattr(importlib.import_module("gradaccum.torch"), name)
         globals()[name] = value  # later look-ups are plain module attributes
         return value
 

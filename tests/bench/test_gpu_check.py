@@ -21,7 +21,7 @@ SRC = str(Path(gradaccum.__file__).resolve().parents[1])
 # Checks whose smoke figures are exact on a CPU, so a missed target there means broken code. Not
 # judged: the overhead (a tiny CPU timing).
 EXACT_ON_CPU = ("host_sync", "fp16_scaler", "oom", "planner", "accum_dtype", "compiled", "ddp",
-                "contrastive")
+                "contrastive", "contrastive_tiled")
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +38,18 @@ def test_smoke_exits_0_and_prints_one_smoke_row_per_check(smoke):
     proc, out, _ = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == len(CHECKS) == 9
+    assert len(rows) == len(CHECKS) == 10
     for row, spec in zip(rows, CHECKS, strict=True):
         assert spec.title.replace("|", "\\|") in row, row
         assert row.endswith((f"| {SMOKE_VERDICT} |", f"| {SMOKE_VERDICT}, FAIL |")), row
-    assert (out / "report.md").read_text().count(SMOKE_VERDICT) == 9
+    assert (out / "report.md").read_text().count(SMOKE_VERDICT) == 10
 
 
 @pytest.mark.slow  # the whole smoke, or a check left to hang for its time box
 def test_smoke_checks_with_exact_cpu_figures_meet_their_targets(smoke):
     _, _, report = smoke
     checks = {c["name"]: c for c in report["checks"]}
-    assert [c["status"] for c in report["checks"]] == ["done"] * 9
+    assert [c["status"] for c in report["checks"]] == ["done"] * 10
     for name in EXACT_ON_CPU:
         assert checks[name]["met"] is True, (name, checks[name]["measured"])
     assert checks["overhead"]["met"] is None
@@ -69,6 +69,9 @@ def test_smoke_raw_numbers_are_those_of_the_checks(smoke):
     assert raw["contrastive"]["chunks"] == 8 and peaks["backward_cached"] < peaks["full batch"] / 2
     assert errors["backward_cached"] < errors["naive"]
     assert raw["host_sync"]["canary_caught"] and not any(raw["host_sync"]["syncs"].values())
+    tiled = raw["contrastive_tiled"]
+    assert tiled["tiled"]["pairs"] == 2048 == 2 * tiled["dense"]["pairs"]  # the smoke's sizes, both ran
+    assert tiled["grad_rel_l2"] < 5e-2
 
 
 @pytest.fixture

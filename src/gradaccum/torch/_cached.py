@@ -49,6 +49,7 @@ from torch import nn
 from gradaccum.core.window import Window
 from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params, put_back
 from gradaccum.torch._grads import grads_used_anywhere
+from gradaccum.torch._loss_ranks import ranks_running_loss
 from gradaccum.torch._precision import Precision, seeded_backward
 from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
 from gradaccum.torch._reps import Layout, check_second, expected_rows, gradient_slices, representations
@@ -153,7 +154,8 @@ class CachedBackward:
             norms.restore()  # the first pass's statistics updates: the second pass makes them once
             layout, leaves, own, count = representations(results, n, self.sync, rows=expected_rows(items))
             del results
-            loss = _check_result(loss_fn(*leaves))
+            with ranks_running_loss(self.sync):  # the tiled losses share their rows out
+                loss = _check_result(loss_fn(*leaves))
             share = loss / self.sync.world_size if summed and self.sync.world_size > 1 else loss
             nxt, seed = self._weigh(window, share, count, summed)
             end = RngStates.capture()

@@ -1,7 +1,7 @@
 """``python -m gradaccum.bench.gpu``: every GPU check, each time-boxed in a process of its own
 (:mod:`gradaccum.bench.gpu.child`, forked from a server that has imported torch once).
 
-With CUDA, each check runs at its real size within its time box (the boxes add up to 480 s);
+With CUDA, each check runs at its real size within its time box (the boxes add up to 630 s);
 without CUDA (or with ``--smoke``), each runs its CPU smoke: tiny sizes, the same code. A check
 that runs out is killed (with any process it started) and its row says so; the next one runs.
 Prints the table and writes ``report.md``, ``report.json`` and ``logs/`` into ``--out``.
@@ -73,6 +73,8 @@ CHECKS = (
               "DDP over gloo, 2 processes on one GPU", 55),
     CheckSpec("contrastive", "gradaccum.bench.gpu.contrastive",
               "backward_cached: CLIP-sized two-tower, bf16, vs the full batch", 40),
+    CheckSpec("contrastive_tiled", "gradaccum.bench.gpu.contrastive_tiled",
+              "tiled CLIP loss: 1,048,576 pairs through backward_cached, bf16", 150),
 )
 
 
