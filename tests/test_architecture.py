@@ -15,7 +15,7 @@ import gradaccum
 grimp = pytest.importorskip("grimp")
 
 SRC = Path(gradaccum.__file__).parent
-# Lower floors never import higher ones: core < torch, mindspore < demos, bench < cli.
+# Lower floors never import higher ones: core < torch, mindspore < run_folder < demos, bench < cli.
 FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.mindspore"),
           ("gradaccum.core", "gradaccum.demos"), ("gradaccum.core", "gradaccum.bench"),
           ("gradaccum.core", "gradaccum.cli"), ("gradaccum.torch", "gradaccum.mindspore"),
@@ -35,7 +35,16 @@ FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.m
               "gradaccum.mindspore", "gradaccum.demos", "gradaccum.bench", "gradaccum.cli",
               "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")],
           *[(low, "gradaccum.contrastive")
-            for low in ("gradaccum.core", "gradaccum.torch", "gradaccum.mindspore")]]
+            for low in ("gradaccum.core", "gradaccum.torch", "gradaccum.mindspore")],
+          # The run folder (lock, checkpoint, outputs, interrupts) sits below the seed experiment
+          # and the commands, which import it, and above the core and the adapter: it imports no
+          # demo, command, benchmark, backend or integration, and no library room imports it.
+          *[("gradaccum.run_folder", high) for high in (
+              "gradaccum.demos", "gradaccum.cli", "gradaccum.bench", "gradaccum.mindspore",
+              "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")],
+          *[(low, "gradaccum.run_folder") for low in (
+              "gradaccum.core", "gradaccum.torch", "gradaccum.contrastive", "gradaccum.mindspore",
+              "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")]]
 PUBLIC_0_1_0 = [
     "Accumulator", "AutoBatch", "CheckReport", "MemoryEstimate", "MicroBatch", "NoMicroBatchFitsError",
     "Schedule", "WindowBatchNorm", "__version__", "batch_size", "check_batch_sizes", "check_equivalence",
@@ -77,7 +86,7 @@ def test_import_gradaccum_needs_neither_tqdm_nor_matplotlib():
     code = ("import sys; sys.modules['tqdm'] = None; sys.modules['matplotlib'] = None; "
             "import gradaccum, gradaccum.torch; "
             "print(sorted(m for m in sys.modules if m.startswith(('gradaccum.cli', 'gradaccum.demos', "
-            "'gradaccum.bench', 'gradaccum.mindspore'))))")
+            "'gradaccum.run_folder', 'gradaccum.bench', 'gradaccum.mindspore'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
