@@ -1,6 +1,6 @@
 """The shape of the package: no import cycle, floors that never import upwards, a lean
-``import gradaccum``, and every public name of 0.1.0 still importable. Module sizes are a
-printed report (scripts/module_report.py), not a gate."""
+``import gradaccum``, and every public name of 0.1.0 (and the Lightning mixin's of 0.3.0) still
+importable. Module sizes are a printed report (scripts/module_report.py), not a gate."""
 
 import importlib
 import runpy
@@ -23,8 +23,10 @@ FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.m
           ("gradaccum.torch", "gradaccum.cli"), ("gradaccum.mindspore", "gradaccum.torch"),
           ("gradaccum.mindspore", "gradaccum.demos"), ("gradaccum.mindspore", "gradaccum.cli"),
           ("gradaccum.demos", "gradaccum.cli"), ("gradaccum.bench", "gradaccum.cli"),
-          # The integrations, Lightning and the test helper sit on the public API: nothing below
-          # them imports them, and they import no command, demo or benchmark.
+          # The integrations and the test helper sit on the public API: nothing below them imports
+          # them, and they import no command, demo or benchmark. Lightning's mixin is checked at its
+          # home, gradaccum.integrations.lightning, and at its 0.3.0 path, gradaccum.lightning,
+          # which the integrations never import (it sits on top of them).
           *[(low, high) for high in ("gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")
             for low in ("gradaccum.core", "gradaccum.torch", "gradaccum.mindspore")],
           *[(low, high) for low in ("gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")
@@ -44,7 +46,8 @@ FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.m
               "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")],
           *[(low, "gradaccum.run_folder") for low in (
               "gradaccum.core", "gradaccum.torch", "gradaccum.contrastive", "gradaccum.mindspore",
-              "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")]]
+              "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")],
+          ("gradaccum.integrations", "gradaccum.lightning")]
 PUBLIC_0_1_0 = [
     "Accumulator", "AutoBatch", "CheckReport", "MemoryEstimate", "MicroBatch", "NoMicroBatchFitsError",
     "Schedule", "WindowBatchNorm", "__version__", "batch_size", "check_batch_sizes", "check_equivalence",
@@ -58,6 +61,7 @@ TORCH_0_1_0 = [
     "restore_batchnorm", "restore_momentum_", "scale_momentum_", "split_batch", "to_groupnorm",
     "to_window_batchnorm", "window_batchnorm",
 ]
+LIGHTNING_0_3_0 = ["AccumulatorMixin", "CHECKPOINT_KEY"]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +116,18 @@ def test_every_public_name_of_0_1_0_still_imports():
     for name in TORCH_0_1_0:
         home = importlib.import_module(origins[name]) if name in origins else gradaccum
         assert getattr(gradaccum.torch, name) is getattr(home, name)
+
+
+def test_every_lightning_name_of_0_3_0_imports_from_its_home_and_its_old_path():
+    import gradaccum.integrations.lightning as home
+    import gradaccum.lightning as old
+    from gradaccum.integrations.lightning import _checkpoint, mixin
+
+    assert set(LIGHTNING_0_3_0) <= set(old.__all__) and set(LIGHTNING_0_3_0) <= set(home.__all__)
+    # Compared with the modules that define them, so that no name is compared with itself.
+    origins = {"AccumulatorMixin": mixin, "CHECKPOINT_KEY": _checkpoint}
+    for name in LIGHTNING_0_3_0:
+        assert getattr(old, name) is getattr(home, name) is getattr(origins[name], name)
 
 
 def test_the_version_is_written_once():

@@ -157,7 +157,8 @@ def test_the_public_modules_are_found_and_the_applications_exist(package):
     # Not the list the test checks (that is found), but what the rule must find today.
     assert {"gradaccum", "gradaccum.torch", "gradaccum.core", "gradaccum.core.window",
             "gradaccum.mindspore", "gradaccum.testing", "gradaccum.lightning",
-            "gradaccum.integrations.accelerate", "gradaccum.integrations.rl"} <= found
+            "gradaccum.integrations.accelerate", "gradaccum.integrations.rl",
+            "gradaccum.integrations.lightning"} <= found
     assert not {m for m in found if m.startswith(APPLICATIONS) or "._" in m}
     assert {"gradaccum.torch.check.checker", "gradaccum.torch.memory.oom"}.isdisjoint(found)
     for app in APPLICATIONS:  # a renamed application would make the rule skip nothing
