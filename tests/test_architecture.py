@@ -1,8 +1,11 @@
-"""The shape of the package: no import cycle, floors that never import upwards, a lean
-``import gradaccum``, and every public name of 0.1.0 (and the Lightning mixin's of 0.3.0) still
-importable. Module sizes are a printed report (scripts/module_report.py), not a gate."""
+"""The shape of the package: no import cycle, floors that never import upwards, rooms that import
+only what their docstrings name, a lean ``import gradaccum``, and every public name of 0.1.0 (and
+the Lightning mixin's of 0.3.0) still importable. Module sizes are a printed report
+(scripts/module_report.py), not a gate."""
 
+import ast
 import importlib
+import re
 import runpy
 import subprocess
 import sys
@@ -62,6 +65,39 @@ TORCH_0_1_0 = [
     "to_window_batchnorm", "window_batchnorm",
 ]
 LIGHTNING_0_3_0 = ["AccumulatorMixin", "CHECKPOINT_KEY"]
+# The rooms: the top-level packages. Each docstring has one paragraph "May import: gradaccum.core,
+# gradaccum.torch" (or "May import: no other part of gradaccum") naming the rooms it may import;
+# the root package ``gradaccum`` (its version) is open to every room.
+ROOMS = sorted(f"gradaccum.{p.parent.name}" for p in SRC.glob("*/__init__.py"))
+
+
+def may_import(room):
+    """The rooms that ``room``'s docstring says it may import (read from the source: importing
+    gradaccum.mindspore needs MindSpore)."""
+    source = SRC.joinpath(*room.split(".")[1:], "__init__.py").read_text()
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    found = re.findall(r"^May import: (.+?)(?:\n\n|\Z)", doc, re.MULTILINE | re.DOTALL)
+    lines = [" ".join(line.split()) for line in found]
+    assert len(lines) == 1, f"{room}: its docstring needs one paragraph 'May import: ...', has {lines}"
+    named = set() if lines[0] == "no other part of gradaccum" else set(lines[0].split(", "))
+    assert named <= set(ROOMS) - {room}, f"{room}: 'May import: {lines[0]}' names what is not a room"
+    return named
+
+
+def floors_broken(declared):
+    """The FLOORS pairs (low, high) with high among what low may import, directly or through a
+    room it may import."""
+    broken = []
+    for low, high in FLOORS:
+        reach, todo = set(), [low]
+        while todo:
+            for room in declared.get(todo.pop(), ()):
+                if room not in reach:
+                    reach.add(room)
+                    todo.append(room)
+        if high in reach:
+            broken.append((low, high))
+    return broken
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +118,28 @@ def test_no_import_cycle_counting_lazy_imports(graph):
 def test_a_lower_floor_never_imports_a_higher_one(graph, low, high):
     assert not graph.chain_exists(importer=low, imported=high, as_packages=True), \
         graph.find_shortest_chains(importer=low, imported=high, as_packages=True)
+
+
+def test_every_room_names_what_it_may_import_and_imports_nothing_else(graph):
+    assert {"gradaccum.core", "gradaccum.torch", "gradaccum.integrations", "gradaccum.run_folder",
+            "gradaccum.demos", "gradaccum.cli"} <= set(ROOMS)
+    for room in ROOMS:
+        modules = {room} | graph.find_descendants(room)
+        imported = {".".join(i.split(".")[:2])
+                    for m in modules for i in graph.find_modules_directly_imported_by(m)}
+        unnamed = imported - {room, "gradaccum"} - may_import(room)
+        assert not unnamed, f"{room} imports {sorted(unnamed)}, which its 'May import:' does not name"
+
+
+def test_what_the_rooms_may_import_keeps_the_floors():
+    declared = {room: may_import(room) for room in ROOMS}
+    assert floors_broken(declared) == []
+    # The negative twin: the adapter allowed the demos breaks the floors between the adapter (and
+    # the rooms on it) and the demos, and what the demos may import.
+    declared["gradaccum.torch"] = declared["gradaccum.torch"] | {"gradaccum.demos"}
+    assert {("gradaccum.torch", "gradaccum.demos"), ("gradaccum.torch", "gradaccum.mindspore"),
+            ("gradaccum.torch", "gradaccum.run_folder"), ("gradaccum.contrastive", "gradaccum.demos"),
+            ("gradaccum.integrations", "gradaccum.demos")} <= set(floors_broken(declared))
 
 
 def test_import_gradaccum_needs_neither_tqdm_nor_matplotlib():

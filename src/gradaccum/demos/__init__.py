@@ -3,11 +3,11 @@ trainers (PyTorch and MindSpore) and their epochs, the metrics they write, and t
 GPT of the language-model pages. The run's folder (lock, checkpoint, outputs, interrupts) is
 ``gradaccum.run_folder``, a floor below.
 
+May import: gradaccum.core, gradaccum.torch, gradaccum.mindspore, gradaccum.run_folder
+
 The names below load on first use (PEP 562): importing a submodule such as
 ``gradaccum.demos.config`` (as the command line does at start-up) must not import torch, so that
 ``gradaccum`` without torch can say in one line what to install.
-
-May import: gradaccum.core, gradaccum.torch, gradaccum.mindspore, gradaccum.run_folder
 """
 
 from __future__ import annotations
