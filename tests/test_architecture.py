@@ -18,7 +18,8 @@ import gradaccum
 grimp = pytest.importorskip("grimp")
 
 SRC = Path(gradaccum.__file__).parent
-# Lower floors never import higher ones: core < torch, mindspore < run_folder < demos, bench < cli.
+# Lower floors never import higher ones: core < torch < run_folder < demos < cli, mindspore < demos,
+# bench < cli.
 FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.mindspore"),
           ("gradaccum.core", "gradaccum.demos"), ("gradaccum.core", "gradaccum.bench"),
           ("gradaccum.core", "gradaccum.cli"), ("gradaccum.torch", "gradaccum.mindspore"),
