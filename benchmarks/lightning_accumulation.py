@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from gradaccum.bench.machine import describe_machine
-from gradaccum.lightning import AccumulatorMixin
+from gradaccum.integrations.lightning import AccumulatorMixin
 
 VOCAB, PAD, MICRO_BATCHES, STEPS, LR = 11, -100, 10, 4, 1e-2
 ARMS = ("Lightning accumulate_grad_batches=4", "gradaccum.lightning")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.demos.checkpoint import read_state, write_state
 from gradaccum.demos.config import TrainConfig
-from gradaccum.demos.interrupt import Interrupted
-from gradaccum.demos.outputs import CHECKPOINT
-from gradaccum.demos.sealed import seal
 from gradaccum.demos.trainer import run_torch
+from gradaccum.run_folder.checkpoint import read_state, write_state
+from gradaccum.run_folder.interrupt import Interrupted
+from gradaccum.run_folder.outputs import CHECKPOINT
+from gradaccum.run_folder.sealed import seal
 from tests.cli import run
 
 # 256 items in micro-batches of 32: 8 micro-batches per epoch.
@@ -124,6 +124,10 @@ EDITS = {
                                 "position.epochs must list the 1 finished epoch(s), got 0"),
     "an epoch result edited": (edit(lambda s: s["position"]["epochs"][0].update(epoch=5)),
                                "position.epochs[0] is not epoch 1's results"),
+    "an epoch result's field dropped": (edit(lambda s: s["position"]["epochs"][0].pop("test_loss")),
+                                        "position.epochs[0] is not epoch 1's results"),
+    "an epoch result with a field of no run": (edit(lambda s: s["position"]["epochs"][0].update(x=1.0)),
+                                               "position.epochs[0] is not epoch 1's results"),
     "metrics lines dropped": (edit(lambda s: s["position"].update(records=[])),
                               "position.records hold 0 epoch line(s), not 1"),
     "a metrics line of no kind": (edit(lambda s: s["position"]["records"].append({"loss": 1.0})),
@@ -154,6 +158,13 @@ def test_an_edit_refused_leaves_the_checkpoint_resumable(out, capsys):
     assert run(["train", *ARGS, "--out", str(out), "--resume"], capsys)[0] == 0
 
 
+def test_an_epoch_result_may_lack_a_field_that_has_a_default(out, capsys):
+    # A checkpoint of a run before skipped_windows existed: EpochResult fills in its default.
+    write_state(out / CHECKPOINT, edit(lambda s: s["position"]["epochs"][0].pop("skipped_windows"))(
+        read_state(out / CHECKPOINT)))
+    assert run(["train", *ARGS, "--out", str(out), "--resume"], capsys)[0] == 0
+
+
 def test_a_killed_runs_temporary_file_is_removed_on_resume(out, capsys):
     leftover = out / ".checkpoint.tmp99999.pt"
     leftover.write_bytes(seal(b"half a checkpoint"))
@@ -171,7 +182,7 @@ def test_a_killed_runs_temporary_file_is_removed_at_the_next_save(tmp_path):
 
 
 def test_a_full_disk_is_one_line_exit_1_and_replaces_nothing(tmp_path, capsys, monkeypatch):
-    from gradaccum.demos import outputs
+    from gradaccum.run_folder import outputs
 
     def full(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.demos.checkpoint import read_state
 from gradaccum.demos.metrics import read_metrics
-from gradaccum.demos.run_lock import LOCK
+from gradaccum.run_folder.checkpoint import read_state
+from gradaccum.run_folder.run_lock import LOCK
 from tests.cli import run
 from tests.ranks import environment, free_port
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.demos.run_lock import LOCK, RunLockError, holder, run_lock
+from gradaccum.run_folder.run_lock import LOCK, RunLockError, holder, run_lock
 from tests.cli import run
 from tests.ranks import environment
 
 TINY = ["--limit-train", "64", "--limit-test", "10", "--epochs", "1", "--no-progress"]
-HOLD = ("import sys\nfrom pathlib import Path\nfrom gradaccum.demos.run_lock import run_lock\n"
+HOLD = ("import sys\nfrom pathlib import Path\nfrom gradaccum.run_folder.run_lock import run_lock\n"
         "with run_lock(Path(sys.argv[1])):\n    print('held', flush=True)\n    sys.stdin.read()\n")
 
 

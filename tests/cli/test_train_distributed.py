@@ -6,7 +6,7 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.demos.metrics import read_metrics
-from gradaccum.demos.run_lock import LOCK
+from gradaccum.run_folder.run_lock import LOCK
 from tests.ranks import torchrun
 
 pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'

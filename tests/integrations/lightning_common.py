@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 
 import gradaccum
-from gradaccum.lightning import AccumulatorMixin
+from gradaccum.integrations.lightning import AccumulatorMixin
 from tests.contrastive import Towers, clip_loss, full_batch_grads
 from tests.reference import PAD, lm_loss, padded, tiny_lm
 

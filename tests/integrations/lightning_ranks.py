@@ -107,7 +107,7 @@ def unrouted(rank: int, world: int) -> dict[str, Any]:
 
 def one_process_state(rank: int, world: int) -> dict[str, Any]:
     """A single process's mid-window state cannot be resumed by 2 ranks; a boundary state can."""
-    from gradaccum.lightning._checkpoint import this_rank
+    from gradaccum.integrations.lightning._checkpoint import this_rank
 
     boundary = {"window": {"micro_step": 0}}
     try:

@@ -1,4 +1,4 @@
-"""backward_cached through the integrations: gradaccum.lightning's ``accumulate_cached`` (and the
+"""backward_cached through the integrations: the Lightning mixin's ``accumulate_cached`` (and the
 accumulator's ``backward_cached`` called from ``training_step``) and the Accelerate adapter, on one
 device and on 2 gloo ranks, against the full batch (float64, 1e-12)."""
 

@@ -1,4 +1,4 @@
-"""gradaccum.lightning against the full batch: one device, DDP, precision, scheduler, validation,
+"""gradaccum.integrations.lightning against the full batch: one device, DDP, precision, scheduler, validation,
 checkpoints, global_step, and the recipes of docs/LIGHTNING.md as printed."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pl = pytest.importorskip("pytorch_lightning")
 from pytorch_lightning.plugins import MixedPrecision  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from gradaccum.lightning import CHECKPOINT_KEY, AccumulatorMixin  # noqa: E402
+from gradaccum.integrations.lightning import CHECKPOINT_KEY, AccumulatorMixin  # noqa: E402
 from tests.integrations.lightning_common import (  # noqa: E402
     Loader,
     TinyLM,
@@ -54,7 +54,7 @@ def fit(model: TinyLM, **kwargs: Any) -> Any:
 
 
 def test_importing_gradaccum_loads_no_lightning():
-    code = ("import sys, gradaccum, gradaccum.lightning; "
+    code = ("import sys, gradaccum, gradaccum.lightning, gradaccum.integrations.lightning; "
             "print([m for m in sys.modules if m.split('.')[0] in ('pytorch_lightning', 'lightning')])")
     out = subprocess.run([sys.executable, "-c", code], env=environment(), capture_output=True, text=True,
                          check=True)
@@ -320,7 +320,7 @@ def test_ddp_refuses_to_resume_one_processs_partial_window(ddp):
 
 
 def test_a_checkpoint_of_2_ranks_is_refused_on_one_device():
-    from gradaccum.lightning._checkpoint import this_rank
+    from gradaccum.integrations.lightning._checkpoint import this_rank
 
     with pytest.raises(ValueError, match="states of 2 ranks; resume on as many, not 1"):
         this_rank({"ranks": [{}, {}]})

@@ -1,5 +1,9 @@
 """``gradaccum bench``: gradaccum against a hand-written loop, Hugging Face Accelerate and the
 seed's accumulator, for time, memory and exactness; writes ``BENCHMARKS.md`` and PNG figures.
+Beside it: the GPU check (``gpu/``), the models of the contrastive benchmark, and the machine
+description of every table.
+
+May import: gradaccum.core, gradaccum.torch, gradaccum.contrastive, gradaccum.demos
 
 Modules: ``config`` (sizes, data), ``loops`` (the contenders), ``seed`` (the seed's accumulator),
 ``measure`` (allocator peaks, interleaved timing), one module per section (``overhead``,

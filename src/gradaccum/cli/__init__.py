@@ -1,4 +1,7 @@
-"""The ``gradaccum`` command line: one small module per command.
+"""The ``gradaccum`` command line: one small module per command, the top floor.
+
+May import: gradaccum.core, gradaccum.torch, gradaccum.contrastive, gradaccum.mindspore,
+gradaccum.run_folder, gradaccum.demos, gradaccum.bench
 
 Each command module exposes ``add_parser(subparsers)``, which registers its parser and sets
 ``func`` (called with the parsed arguments, returning the exit code). Command modules import

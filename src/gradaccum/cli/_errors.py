@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 from gradaccum.demos.config import ConfigError
 from gradaccum.demos.extras import MissingExtraError
-from gradaccum.demos.interrupt import Interrupted, handling
-from gradaccum.demos.outputs import OutputError
+from gradaccum.run_folder.interrupt import Interrupted, handling
+from gradaccum.run_folder.outputs import OutputError
 
 __all__ = ["EXIT_FAILURE", "EXIT_MODEL", "EXIT_USAGE", "CommandError", "ModelError", "Parser",
            "UsageError", "model_raised", "one_line", "run_command"]

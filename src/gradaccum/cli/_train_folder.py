@@ -10,9 +10,9 @@ from typing import Any
 
 from gradaccum.cli._errors import UsageError
 from gradaccum.cli._options import writable_dir
-from gradaccum.demos.config import TrainConfig
+from gradaccum.demos.config import EpochResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
-from gradaccum.demos.outputs import (
+from gradaccum.run_folder.outputs import (
     CHECKPOINT,
     FINAL_FILES,
     RUN_FILES,
@@ -20,7 +20,7 @@ from gradaccum.demos.outputs import (
     clear_run,
     run_files_in,
 )
-from gradaccum.demos.run_lock import RunLockError, run_lock
+from gradaccum.run_folder.run_lock import RunLockError, run_lock
 
 __all__ = ["folder_lock", "prepare_out"]
 
@@ -34,7 +34,7 @@ def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks,
     the folder's lock file was left by a run killed there (:func:`folder_lock` says), which with
     no checkpoint yet starts over like one that wrote only ``metrics.jsonl``.
     """
-    from gradaccum.demos.checkpoint import check_resumable, load_checkpoint
+    from gradaccum.run_folder.checkpoint import check_resumable, load_checkpoint
 
     out = args.out
     if out is None:
@@ -51,7 +51,7 @@ def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks,
         print(f"No checkpoint in {out} yet: the run starts over")
     elif args.resume:
         state = load_checkpoint(out)
-        check_resumable(state, config, ranks.world)
+        check_resumable(state, config, ranks.world, results=EpochResult)
         writable_dir(out)
         if config.checkpoint_every is None:  # keep the run's own rhythm unless told otherwise
             config.checkpoint_every = state["config"].get("checkpoint_every")
@@ -72,7 +72,7 @@ def prepare_out(args: argparse.Namespace, config: TrainConfig, ranks: Ranks,
 @contextlib.contextmanager
 def folder_lock(args: argparse.Namespace, ranks: Ranks, backend: str) -> Iterator[bool]:
     """Hold ``--out``'s run lock (rank 0) while this run uses the folder: a second run into it
-    exits 2 naming the first (:mod:`gradaccum.demos.run_lock`). Under torchrun every rank learns
+    exits 2 naming the first (:mod:`gradaccum.run_folder.run_lock`). Under torchrun every rank learns
     whether rank 0 got it, so that all of them stop together when it did not, and whether it
     found a killed run's lock file (yielded, for :func:`prepare_out`)."""
     out = args.out

@@ -22,9 +22,9 @@ from typing import Any
 from gradaccum.cli._errors import CommandError, UsageError
 from gradaccum.cli._options import check_count, check_device, mnist_dir, out_dir, plain_int, writable_dir
 from gradaccum.cli.train import add_experiment_arguments
-from gradaccum.demos.interrupt import Interrupted, handling
-from gradaccum.demos.outputs import CHECKPOINT, atomic_write
-from gradaccum.demos.run_lock import run_lock
+from gradaccum.run_folder.interrupt import Interrupted, handling
+from gradaccum.run_folder.outputs import CHECKPOINT, atomic_write
+from gradaccum.run_folder.run_lock import run_lock
 
 __all__ = ["add_parser", "format_table", "parse_backends", "parse_settings"]
 

@@ -2,7 +2,7 @@
 
 Long runs: ``--checkpoint-every N`` writes ``OUT/checkpoint.pt`` every N optimizer steps,
 Ctrl-C or SIGTERM writes one and exits 130 or 143, and ``--resume`` continues from it,
-bitwise equal to a run never stopped (see :mod:`gradaccum.demos.checkpoint`).
+bitwise equal to a run never stopped (see :mod:`gradaccum.run_folder.checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from gradaccum.cli._train_folder import folder_lock, prepare_out
 from gradaccum.core import lr_scale, parse_schedule, resolve_batch_sizes
 from gradaccum.demos.config import BN_MODES, RunResult, TrainConfig
 from gradaccum.demos.distributed import Ranks
-from gradaccum.demos.interrupt import Interrupted, StopFlag
-from gradaccum.demos.outputs import (
+from gradaccum.run_folder.interrupt import Interrupted, StopFlag
+from gradaccum.run_folder.outputs import (
     CHECKPOINT,
     atomic_write,
 )

@@ -1,5 +1,7 @@
 """Contrastive losses at any batch size: tiled, exact, with memory that grows with ``B``, not ``B^2``.
 
+May import: gradaccum.core, gradaccum.torch
+
 * :func:`clip_loss`: CLIP's symmetric cross-entropy (OpenCLIP's ``ClipLoss`` on one process);
 * :func:`info_nce`: InfoNCE with in-batch negatives, hard negatives after the positives
   (sentence-transformers' ``MultipleNegativesRankingLoss``);

@@ -1,4 +1,7 @@
-"""The pure core of gradaccum: window arithmetic, schedules, batch plans and validation.
+"""The pure core of gradaccum: window arithmetic, schedules, batch and memory plans, momentum rules,
+checkpoint records and validation, shared by both adapters.
+
+May import: no other part of gradaccum
 
 Nothing here imports a framework, so every backend (PyTorch, MindSpore) shares these rules and
 they can be tested in microseconds.

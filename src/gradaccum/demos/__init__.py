@@ -1,4 +1,9 @@
-"""The seed experiment's pieces: the MNIST reader and the demo models.
+"""The seed experiment: the MNIST reader and where it finds the data, the demo models, the
+trainers (PyTorch and MindSpore) and their epochs, the metrics they write, and the nanoGPT-style
+GPT of the language-model pages. The run's folder (lock, checkpoint, outputs, interrupts) is
+``gradaccum.run_folder``, a floor below.
+
+May import: gradaccum.core, gradaccum.torch, gradaccum.mindspore, gradaccum.run_folder
 
 The names below load on first use (PEP 562): importing a submodule such as
 ``gradaccum.demos.config`` (as the command line does at start-up) must not import torch, so that

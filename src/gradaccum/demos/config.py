@@ -6,21 +6,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# Defined in the run folder's room (its lock and checkpoint refuse with it): the same class.
+from gradaccum.run_folder.errors import ConfigError
+
 __all__ = ["BN_MODES", "ConfigError", "EpochResult", "RunResult", "TrainConfig"]
 
 # How a model's BatchNorm layers are treated under accumulation (``gradaccum train --bn``); see
 # :func:`gradaccum.demos.models.apply_bn_mode`.
 BN_MODES = ("plain", "compound", "linear", "window", "groupnorm")
-
-
-class ConfigError(ValueError):
-    """Settings or inputs a run cannot start with (missing or corrupt data, a checkpoint that does
-    not fit): raised before anything trains. The command line reports it as bad usage (exit 2).
-
-    Example:
-        >>> isinstance(ConfigError("--data-dir: no MNIST files"), ValueError)
-        True
-    """
 
 
 @dataclass
@@ -51,7 +44,7 @@ class TrainConfig:
         progress: show a progress bar.
         out: a folder for ``metrics.jsonl``, ``summary.json``, ``params.npz`` and ``curves.png``.
         checkpoint_every: write ``out/checkpoint.pt`` every this many optimizer steps (torch
-            backend; ``None``: only when interrupted). See :mod:`gradaccum.demos.checkpoint`.
+            backend; ``None``: only when interrupted). See :mod:`gradaccum.run_folder.checkpoint`.
     """
 
     model: str = "mlp"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gradaccum.demos.config import EpochResult, RunResult
-from gradaccum.demos.outputs import atomic_write
+from gradaccum.run_folder.outputs import atomic_write
 
 __all__ = ["MetricsWriter", "peak_rss_bytes", "plot_runs", "read_metrics", "write_summary"]
 

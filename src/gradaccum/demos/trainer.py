@@ -15,16 +15,16 @@ import torch.distributed as dist
 from torch import nn
 
 from gradaccum.core import parse_schedule
-from gradaccum.demos.checkpoint import Position, restore_rng, save_checkpoint
-from gradaccum.demos.checkpoint_fields import check_position
 from gradaccum.demos.config import ConfigError, EpochResult, RunResult, TrainConfig
 from gradaccum.demos.distributed import Log, Ranks, current_ranks, epoch_order, rank_log, wrap
 from gradaccum.demos.epochs import run_epochs
-from gradaccum.demos.interrupt import Interrupted, StopFlag
 from gradaccum.demos.metrics import MetricsWriter, peak_rss_bytes
 from gradaccum.demos.mnist import mnist_tensors
 from gradaccum.demos.models import apply_bn_mode, build_model
-from gradaccum.demos.outputs import CHECKPOINT
+from gradaccum.run_folder.checkpoint import Position, restore_rng, save_checkpoint
+from gradaccum.run_folder.checkpoint_fields import check_position
+from gradaccum.run_folder.interrupt import Interrupted, StopFlag
+from gradaccum.run_folder.outputs import CHECKPOINT
 from gradaccum.torch import Accumulator
 from gradaccum.torch.batchnorm.convert import to_groupnorm
 from gradaccum.torch.batchnorm.window import to_window_batchnorm
@@ -113,7 +113,7 @@ def _restore(run: _Run, state: dict[str, Any]) -> None:
     """Load a checkpoint into a freshly built run (its settings already checked)."""
     per_rank = -(-len(run.x) // run.ranks.world)
     check_position(state["position"], run.config, CHECKPOINT,
-                   micro_batches=math.ceil(per_rank / run.config.micro_batch))
+                   micro_batches=math.ceil(per_rank / run.config.micro_batch), results=EpochResult)
     try:
         run.model.load_state_dict(state["model"])
         run.acc.optimizer.load_state_dict(state["optimizer"])
@@ -270,15 +270,15 @@ def run_torch(config: TrainConfig, log: Log = print, *, resume: dict[str, Any] |
     DistributedSampler share through DDP; rank 0 prints and writes.
 
     With ``config.checkpoint_every`` it writes ``out/checkpoint.pt`` every that many optimizer
-    steps (see :mod:`gradaccum.demos.checkpoint`); with ``stop``, a signal makes it write one
-    and raise :class:`~gradaccum.demos.interrupt.Interrupted` (between two micro-batches on one
+    steps (see :mod:`gradaccum.run_folder.checkpoint`); with ``stop``, a signal makes it write one
+    and raise :class:`~gradaccum.run_folder.interrupt.Interrupted` (between two micro-batches on one
     process; at the next window's start on several ranks or under window BatchNorm).
 
     Args:
         config: the settings.
         log: where the lines go.
-        resume: a checkpoint (:func:`gradaccum.demos.checkpoint.load_checkpoint`, its settings
-            checked by :func:`~gradaccum.demos.checkpoint.check_resumable`) to continue from.
+        resume: a checkpoint (:func:`gradaccum.run_folder.checkpoint.load_checkpoint`, its settings
+            checked by :func:`~gradaccum.run_folder.checkpoint.check_resumable`) to continue from.
         stop: the flag a signal sets (installed by the caller).
 
     Returns:

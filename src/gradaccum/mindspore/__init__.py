@@ -1,5 +1,7 @@
 """The MindSpore adapter: the same exact accumulation as the PyTorch one, inside a compiled graph.
 
+May import: gradaccum.core
+
 Needs MindSpore 2.10 and NumPy 1.x, kept out of the default install: ``pip install
 'gradaccum[mindspore]'``. ``import gradaccum`` never imports this package.
 """

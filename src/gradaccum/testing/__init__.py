@@ -1,5 +1,7 @@
 """Test your own accumulation loop: does it give the full batch's updates, for any split?
 
+May import: gradaccum.core, gradaccum.torch
+
 ``assert_accumulation_exact`` runs your update step (your model, optimizer and accumulation code
 over a list of micro-batches: one optimizer step) for several windows of a scheduled learning
 rate, on the same global batch split several ways, on one process or on W gloo ranks, and

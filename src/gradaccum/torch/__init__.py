@@ -1,5 +1,7 @@
 """The PyTorch adapter: everything that touches tensors.
 
+May import: gradaccum.core
+
 ``accumulator.py`` and its private helpers (``_*.py``) are the hot path; each feature has a
 folder of its own, matching its page in ``docs/``: ``distributed/``, ``check/``, ``memory/``,
 ``batchnorm/``.

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradaccum.demos.config import ConfigError
+from gradaccum.run_folder.errors import ConfigError
 
 try:
     import fcntl

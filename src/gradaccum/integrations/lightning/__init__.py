@@ -1,4 +1,5 @@
-"""gradaccum inside a Lightning module: :class:`AccumulatorMixin` (docs/LIGHTNING.md).
+"""gradaccum inside a Lightning module: :class:`AccumulatorMixin` (docs/LIGHTNING.md). Its 0.3.0
+path, ``gradaccum.lightning``, still imports the same objects.
 
 Lightning's own ``accumulate_grad_batches`` divides every loss by N (the short last window too)
 and weights micro-batches, not tokens. The mixin turns a LightningModule into one that feeds
@@ -25,7 +26,7 @@ works with ``pytorch_lightning`` and ``lightning.pytorch`` alike, and ``import g
 loads either.
 """
 
-from gradaccum.lightning._checkpoint import CHECKPOINT_KEY
-from gradaccum.lightning.mixin import AccumulatorMixin
+from gradaccum.integrations.lightning._checkpoint import CHECKPOINT_KEY
+from gradaccum.integrations.lightning.mixin import AccumulatorMixin
 
 __all__ = ["CHECKPOINT_KEY", "AccumulatorMixin"]

@@ -1,17 +1,17 @@
 """``gradaccum train``'s checkpoint: everything a bit-exact ``--resume`` needs, in one file.
 
 ``OUT/checkpoint.pt`` (``torch.save``d, then sealed: a header line with the payload's length
-and SHA-256, :mod:`gradaccum.demos.sealed`; loaded with ``weights_only=True``) holds the model, the
+and SHA-256, :mod:`gradaccum.run_folder.sealed`; loaded with ``weights_only=True``) holds the model, the
 optimizer, the scheduler (the demo has none: ``None``), the accumulator's state (a partial window
 included), the RNG states (torch CPU and CUDA, Python's ``random``, NumPy's), the position in the
 data (epoch and next micro-batch; each epoch's order is drawn from the seed and the epoch alone),
 the metrics so far, and the settings that change the result, which ``--resume`` must repeat.
-It is written through a temporary file and renamed (:func:`gradaccum.demos.outputs.atomic_write`);
+It is written through a temporary file and renamed (:func:`gradaccum.run_folder.outputs.atomic_write`);
 a temporary file a killed run left behind is removed at the next save and on ``--resume``.
 
 ``--resume`` refuses, in one line and before anything changes, a file that is damaged, truncated
 or edited (its seal), of another format, or whose fields do not hold together: every top-level
-field, the RNG states and the position are checked (:mod:`gradaccum.demos.checkpoint_fields`).
+field, the RNG states and the position are checked (:mod:`gradaccum.run_folder.checkpoint_fields`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from gradaccum import __version__
-from gradaccum.demos.checkpoint_fields import check_keys, check_position, check_rng
-from gradaccum.demos.config import ConfigError, TrainConfig
-from gradaccum.demos.outputs import CHECKPOINT, atomic_write, clear_leftovers
-from gradaccum.demos.sealed import SealError, seal, unseal
+from gradaccum.run_folder.checkpoint_fields import RunSettings, check_keys, check_position, check_rng
+from gradaccum.run_folder.errors import ConfigError
+from gradaccum.run_folder.outputs import CHECKPOINT, atomic_write, clear_leftovers
+from gradaccum.run_folder.sealed import SealError, seal, unseal
 
 __all__ = ["FORMAT", "FREE_FIELDS", "Position", "check_resumable", "load_checkpoint", "read_state",
            "restore_rng", "rng_state", "save_checkpoint", "write_state"]
@@ -50,7 +50,7 @@ class Position:
             them at the end of the epoch).
         epoch_seconds: training seconds of the epoch before this point.
         run_seconds: the run's seconds before this point.
-        epochs: the finished epochs' results (``EpochResult`` as dicts).
+        epochs: the finished epochs' results, as dicts (``gradaccum train``'s ``EpochResult``).
         records: the lines of ``metrics.jsonl`` written so far.
     """
 
@@ -83,7 +83,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(out: Path, *, config: TrainConfig, world: int, model: torch.nn.Module,
+def save_checkpoint(out: Path, *, config: RunSettings, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, accumulator: Any, position: Position,
                     scheduler: Any = None) -> Path:
     """Write ``out/checkpoint.pt`` atomically.
@@ -176,17 +176,29 @@ def _flag(name: str, value: Any) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_resumable(state: dict[str, Any], config: TrainConfig, world: int) -> None:
+def check_resumable(state: dict[str, Any], config: RunSettings, world: int, *,
+                    results: type[Any]) -> None:
     """Refuse to resume a checkpoint with settings that change the result, or whose RNG states
     or position do not fit them (the epoch within ``--epochs``, the metrics so far in step).
+
+    Args:
+        state: what :func:`load_checkpoint` returned.
+        config: this run's settings.
+        world: this run's number of ranks.
+        results: the dataclass of one finished epoch's results (``EpochResult`` in
+            ``gradaccum train``; see :func:`~gradaccum.run_folder.checkpoint_fields.check_position`).
 
     Raises:
         ConfigError: the first setting that differs, with both values; or the first field wrong.
 
     Example:
-        >>> saved = {"config": TrainConfig(lr=0.01).to_json(), "world": 1, "position": {}, "rng": {}}
+        >>> from dataclasses import make_dataclass
+        >>> from types import SimpleNamespace
+        >>> def settings(lr):  # a run's settings (a TrainConfig in gradaccum train)
+        ...     return SimpleNamespace(device="cpu", epochs=3, to_json=lambda: {"lr": lr})
+        >>> saved = {"config": settings(0.01).to_json(), "world": 1, "position": {}, "rng": {}}
         >>> try:
-        ...     check_resumable(saved, TrainConfig(lr=0.02), 1)
+        ...     check_resumable(saved, settings(0.02), 1, results=make_dataclass("Result", ["epoch"]))
         ... except ConfigError as err:
         ...     print(str(err)[:45])
         --resume: --lr is 0.02 here but 0.01 in the r
@@ -201,4 +213,4 @@ def check_resumable(state: dict[str, Any], config: TrainConfig, world: int) -> N
                               f"{saved.get(name)!r} in the run being resumed; give the run's own "
                               "arguments")
     check_rng(state["rng"], config.device, CHECKPOINT)
-    check_position(state["position"], config, CHECKPOINT)
+    check_position(state["position"], config, CHECKPOINT, results=results)

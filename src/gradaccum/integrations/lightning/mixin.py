@@ -11,9 +11,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
-from gradaccum.lightning._checkpoint import CHECKPOINT_KEY, pack, this_rank
-from gradaccum.lightning._trainer import count_step, ddp_model, plugin_scaler, split_schedulers
-from gradaccum.lightning._usage import check_base_order, warn_if_nothing_fed
+from gradaccum.integrations.lightning._checkpoint import CHECKPOINT_KEY, pack, this_rank
+from gradaccum.integrations.lightning._trainer import count_step, ddp_model, plugin_scaler, split_schedulers
+from gradaccum.integrations.lightning._usage import check_base_order, warn_if_nothing_fed
 from gradaccum.torch.accumulator import Accumulator
 from gradaccum.torch.distributed.base import SyncMode, check_sync_mode
 

@@ -1,9 +1,13 @@
 """Every field of a ``gradaccum train`` checkpoint, checked before any of it is used.
 
-A checkpoint's bytes are proven by its seal (:mod:`gradaccum.demos.sealed`); these checks catch
+A checkpoint's bytes are proven by its seal (:mod:`gradaccum.run_folder.sealed`); these checks catch
 what a seal cannot: a file written with the right seal but wrong content (edited by a tool that
 re-sealed it, or by a bug). Each check raises :class:`ConfigError` naming the field and its
 value, so that ``--resume`` refuses the file in one line (exit 2) before anything changes.
+
+The checks know the run's settings by what they read of them (:class:`RunSettings`) and a
+finished epoch's record by the dataclass the caller names (``results``): the seed experiment's
+``TrainConfig`` and ``EpochResult`` live in :mod:`gradaccum.demos`, a floor above this one.
 """
 
 from __future__ import annotations
@@ -11,21 +15,35 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import fields
-from typing import Any
+from dataclasses import MISSING, fields
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from gradaccum.demos.config import ConfigError, EpochResult, TrainConfig
+from gradaccum.run_folder.errors import ConfigError
 
-__all__ = ["check_keys", "check_position", "check_rng"]
+__all__ = ["RunSettings", "check_keys", "check_position", "check_rng"]
 
 _KEYS: dict[str, type | tuple[type, ...]] = {
     "format": int, "gradaccum": str, "config": dict, "world": int, "model": dict, "optimizer": dict,
     "scheduler": (dict, type(None)), "accumulator": dict, "rng": dict, "position": dict}
-_EPOCH_FIELDS = {f.name for f in fields(EpochResult)}
-_REQUIRED_EPOCH_FIELDS = {f.name for f in fields(EpochResult) if f.name != "skipped_windows"}
+
+
+class RunSettings(Protocol):
+    """What a checkpoint records and checks of a run's settings (``gradaccum train``'s
+    ``TrainConfig`` is one)."""
+
+    @property
+    def device(self) -> str:
+        """Where the run trains (``"cpu"``, ``"cuda:1"``): whose generators the checkpoint holds."""
+
+    @property
+    def epochs(self) -> int:
+        """Passes over the training set: a position's epoch is within ``1..epochs``."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as JSON-able values, as the checkpoint records them."""
 
 
 def _refuse(where: str, problem: str) -> ConfigError:
@@ -47,7 +65,7 @@ def check_rng(rng: Any, device: str, where: str) -> None:
         ConfigError: a state missing, of the wrong type, or one its generator refuses.
 
     Example:
-        >>> from gradaccum.demos.checkpoint import rng_state
+        >>> from gradaccum.run_folder.checkpoint import rng_state
         >>> check_rng(rng_state(torch.device("cpu")), "cpu", "checkpoint.pt")
     """
     if not isinstance(rng, dict) or set(rng) != {"torch", "cuda", "python", "numpy"}:
@@ -75,14 +93,17 @@ def check_rng(rng: Any, device: str, where: str) -> None:
                              f"on --device {device}, got {type(cuda).__name__}")
 
 
-def _check_epochs(position: dict[str, Any], where: str) -> None:
-    """The finished epochs and the metrics lines agree with the position's epoch."""
+def _check_epochs(position: dict[str, Any], where: str, results: type[Any]) -> None:
+    """The finished epochs (each a ``results`` as a dict: a field with a default may be missing)
+    and the metrics lines agree with the position's epoch."""
     epoch, epochs, records = position["epoch"], position["epochs"], position["records"]
+    names = {f.name for f in fields(results)}
+    required = {f.name for f in fields(results) if f.default is MISSING and f.default_factory is MISSING}
     if not isinstance(epochs, list) or len(epochs) != epoch - 1:
         raise _refuse(where, f"position.epochs must list the {epoch - 1} finished epoch(s), got "
                              f"{len(epochs) if isinstance(epochs, list) else type(epochs).__name__}")
     for k, result in enumerate(epochs, start=1):
-        if not (isinstance(result, dict) and _REQUIRED_EPOCH_FIELDS <= set(result) <= _EPOCH_FIELDS
+        if not (isinstance(result, dict) and required <= set(result) <= names
                 and result["epoch"] == k and all(_is_number(v) for v in result.values())):
             raise _refuse(where, f"position.epochs[{k - 1}] is not epoch {k}'s results")
     if not (isinstance(records, list) and all(isinstance(r, dict) and r.get("kind") in
@@ -93,26 +114,31 @@ def _check_epochs(position: dict[str, Any], where: str) -> None:
         raise _refuse(where, f"position.records hold {len(done)} epoch line(s), not {epoch - 1}")
 
 
-def check_position(position: Any, config: TrainConfig, where: str,
-                   micro_batches: int | None = None) -> None:
+def check_position(position: Any, config: RunSettings, where: str,
+                   micro_batches: int | None = None, *, results: type[Any]) -> None:
     """Check where a checkpoint stands against the run's settings.
 
     Args:
-        position: the checkpoint's ``position`` (a :class:`~gradaccum.demos.checkpoint.Position`
+        position: the checkpoint's ``position`` (a :class:`~gradaccum.run_folder.checkpoint.Position`
             as a dict).
         config: the run's settings (``epochs`` bounds the epoch).
         where: the checkpoint's name, for messages.
         micro_batches: micro-batches in one epoch on this rank, when known (bounds the
             micro-batch).
+        results: the dataclass of one finished epoch's results (``EpochResult`` in
+            ``gradaccum train``): each of ``position.epochs`` must be one as a dict.
 
     Raises:
         ConfigError: a field missing, of the wrong type, or out of its range.
 
     Example:
-        >>> from dataclasses import asdict
-        >>> from gradaccum.demos.checkpoint import Position
+        >>> from dataclasses import asdict, make_dataclass
+        >>> from types import SimpleNamespace
+        >>> from gradaccum.run_folder.checkpoint import Position
+        >>> run = SimpleNamespace(epochs=3)  # a run's settings (a TrainConfig in gradaccum train)
+        >>> result = make_dataclass("Result", ["epoch", "test_loss"])
         >>> try:
-        ...     check_position(asdict(Position(epoch=9)), TrainConfig(epochs=3), "x")
+        ...     check_position(asdict(Position(epoch=9)), run, "x", results=result)
         ... except ConfigError as err:
         ...     print(str(err)[:50])
         --resume: x: position.epoch is 9, outside 1..3 (--
@@ -138,7 +164,7 @@ def check_position(position: Any, config: TrainConfig, where: str,
         value = position[name]
         if not (_is_number(value) and math.isfinite(value) and value >= 0):
             raise _refuse(where, f"position.{name} is {value!r}, not a finite number >= 0")
-    _check_epochs(position, where)
+    _check_epochs(position, where, results)
 
 
 def check_keys(state: Any, where: str) -> None:
