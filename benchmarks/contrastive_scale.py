@@ -50,10 +50,9 @@ from gradaccum.bench.contrastive_scale import (
     dense_estimate,
     pair_features,
     peak_growth,
-    step_grads,
 )
 from gradaccum.bench.machine import describe_machine
-from gradaccum.bench.measure import interleaved
+from gradaccum.bench.measure import interleaved, step_grads
 from gradaccum.bench.results_file import write_results
 from gradaccum.bench.towers import clip_loss as dense_clip
 

@@ -34,7 +34,7 @@ from gradaccum.bench import towers
 from gradaccum.contrastive import clip_loss
 
 __all__ = ["METHODS", "ScaleSizes", "TinyTowers", "cached_step", "dense_estimate", "pair_features",
-           "peak_growth", "step_grads"]
+           "peak_growth"]
 
 METHODS = ("dense", "tiled")
 
@@ -126,23 +126,6 @@ def cached_step(method: str, model: TinyTowers, batch: tuple[torch.Tensor, torch
             return clip_loss(image, text, scale, tile=tile)
 
     return lambda: acc.backward_cached(encode, loss_fn, parts)
-
-
-def step_grads(model: nn.Module, step: Callable[[], Any]) -> list[torch.Tensor]:
-    """The gradient each parameter gets from ``step`` (zeros where none), as the optimizer sees it."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    params = list(model.parameters())
-    seen: list[list[torch.Tensor]] = []
-    hook = register_optimizer_step_pre_hook(
-        lambda *_: seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]))
-    try:
-        step()
-    finally:
-        hook.remove()
-    if len(seen) != 1:
-        raise RuntimeError(f"expected one optimizer step, got {len(seen)}")
-    return seen[0]
 
 
 def peak_growth(step: Callable[[], Any], device: torch.device) -> tuple[int, float]:

@@ -26,8 +26,17 @@ import torch
 
 from gradaccum.torch.memory.probe import cpu_allocations, tensor_bytes
 
-__all__ = ["Memory", "Timings", "allocator_memory", "device_sync", "floor_bytes", "interleaved",
-           "minor_faults", "saved_activations"]
+__all__ = [
+    "Memory",
+    "Timings",
+    "allocator_memory",
+    "device_sync",
+    "floor_bytes",
+    "interleaved",
+    "minor_faults",
+    "saved_activations",
+    "step_grads",
+]
 
 T = TypeVar("T")
 
@@ -217,3 +226,26 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, calls: int,
             if round_ >= 0:
                 samples[name].append((time.perf_counter() - start) / calls)
     return Timings(samples)
+
+
+def step_grads(model: torch.nn.Module, step: Callable[[], Any]) -> list[torch.Tensor]:
+    """The gradient each parameter of ``model`` gets from the one optimizer step ``step`` makes
+    (zeros where it gets none), as the optimizer sees it; ``model``'s gradients are cleared first.
+
+    Raises:
+        RuntimeError: ``step`` made no optimizer step, or more than one.
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    params = list(model.parameters())
+    seen: list[list[torch.Tensor]] = []
+    model.zero_grad(set_to_none=True)
+    hook = register_optimizer_step_pre_hook(
+        lambda *_: seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]))
+    try:
+        step()
+    finally:
+        hook.remove()
+    if len(seen) != 1:
+        raise RuntimeError(f"expected one optimizer step, got {len(seen)}")
+    return seen[0]

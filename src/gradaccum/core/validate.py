@@ -81,12 +81,7 @@ def check_positive_int(name: str, value: Any, *, fix: str | None = None) -> int:
         >>> check_positive_int("steps", 4)
         4
     """
-    fix = fix or _default_fix(name, "an int", int_example(value, 1))
-    if not _is_int(value):
-        raise TypeError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__}): {fix}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}: {fix}")
-    return int(value)
+    return _check_int(name, value, 1, fix)
 
 
 def check_nonneg_int(name: str, value: Any, *, fix: str | None = None) -> int:
@@ -109,12 +104,17 @@ def check_nonneg_int(name: str, value: Any, *, fix: str | None = None) -> int:
         >>> check_nonneg_int("micro_step", 0)
         0
     """
-    fix = fix or _default_fix(name, "an int", int_example(value, 0))
+    return _check_int(name, value, 0, fix)
+
+
+def _check_int(name: str, value: Any, least: int, fix: str | None) -> int:
+    """``value`` as an ``int`` if it is an integer >= ``least`` (1: positive, 0: non-negative)."""
+    kind = "a positive integer" if least == 1 else "a non-negative integer"
+    fix = fix or _default_fix(name, "an int", int_example(value, least))
     if not _is_int(value):
-        raise TypeError(f"{name} must be a non-negative integer, got {value!r} "
-                        f"({type(value).__name__}): {fix}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}: {fix}")
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__}): {fix}")
+    if value < least:
+        raise ValueError(f"{name} must be {kind}{' (>= 1)' if least == 1 else ''}, got {value!r}: {fix}")
     return int(value)
 
 

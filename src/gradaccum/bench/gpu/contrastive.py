@@ -21,13 +21,10 @@ accumulation's; on CUDA, at most 1.5x naive accumulation's time (the smoke does 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradaccum.bench.gpu.check import Context, Outcome, peak, rel_l2
-from gradaccum.bench.measure import device_sync, interleaved
+from gradaccum.bench.measure import device_sync, interleaved, step_grads
 from gradaccum.bench.towers import CLIP_B32, TOWERS_TINY, TwoTowers, contenders, pair_batch
 
 __all__ = ["run"]
@@ -48,22 +45,6 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _step_grads(model: torch.nn.Module, fn: Callable[[], None]) -> list[torch.Tensor]:
-    """The gradient each parameter gets from one step of ``fn`` (zeros where it gets none)."""
-    params = list(model.parameters())
-    seen: list[list[torch.Tensor]] = []
-    model.zero_grad(set_to_none=True)
-    hook = register_optimizer_step_pre_hook(
-        lambda *_: seen.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]))
-    try:
-        fn()
-    finally:
-        hook.remove()
-    if len(seen) != 1:
-        raise RuntimeError(f"expected one optimizer step, got {len(seen)}")
-    return seen[0]
-
-
 def run(ctx: Context) -> Outcome:
     """Gradients, peaks and times of the three contenders; ``met`` as the module says."""
     sizes = TOWERS_TINY if ctx.smoke else CLIP_B32
@@ -74,7 +55,7 @@ def run(ctx: Context) -> Outcome:
     n_params = sum(p.numel() for p in model.parameters())
     ctx.record(sizes=sizes.__dict__, parameters=n_params, pairs=pairs, chunks=PIECES, autocast="bfloat16")
     fns = contenders(model, batch, PIECES, autocast=torch.bfloat16)
-    grads = {name: _step_grads(model, fn) for name, fn in fns.items()}
+    grads = {name: step_grads(model, fn) for name, fn in fns.items()}
     errors = {name: rel_l2(g, grads["full batch"]) for name, g in grads.items() if name != "full batch"}
     ctx.record(relative_l2_from_full_batch=errors)
     del grads

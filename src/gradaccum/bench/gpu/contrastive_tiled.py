@@ -32,9 +32,9 @@ from gradaccum.bench.contrastive_scale import (
     dense_estimate,
     pair_features,
     peak_growth,
-    step_grads,
 )
 from gradaccum.bench.gpu.check import Context, Outcome, rel_l2
+from gradaccum.bench.measure import step_grads
 from gradaccum.torch.memory.oom import is_oom_error
 
 __all__ = ["run"]
