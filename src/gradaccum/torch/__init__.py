@@ -15,11 +15,11 @@ except ImportError as err:
         f"(importing torch failed: {err})"
     ) from err
 
-from gradaccum.torch._chunks import chunks
 from gradaccum.torch.accumulator import Accumulator, MicroBatch
 from gradaccum.torch.batchnorm.convert import restore_batchnorm, to_groupnorm
 from gradaccum.torch.batchnorm.momentum import restore_momentum_, scale_momentum_
 from gradaccum.torch.batchnorm.window import WindowBatchNorm, to_window_batchnorm, window_batchnorm
+from gradaccum.torch.cached.chunks import chunks
 from gradaccum.torch.check.checker import check_equivalence
 from gradaccum.torch.check.hazards import Hazard
 from gradaccum.torch.check.report import CheckReport, TensorDiff

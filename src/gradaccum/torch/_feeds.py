@@ -2,7 +2,7 @@
 
 :meth:`micro_batch` (a multi-task block: one backward per task loss, one micro-batch) and
 :meth:`backward_cached` (a loss that couples the batch's examples, by representation caching:
-torch/_cached.py). :class:`~gradaccum.Accumulator` inherits both; each checks its input, opens
+torch/cached/backward.py). :class:`~gradaccum.Accumulator` inherits both; each checks its input, opens
 the micro-batch with the accumulator's ``_before_feed`` and closes it with its ``_commit``, as
 ``Accumulator.backward`` does.
 """
@@ -17,13 +17,13 @@ import torch
 
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
-from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._guards import Guard, refuse_entry
 from gradaccum.torch._micro_batch import MicroBatch, micro_batch_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import Items, Reduction, check_items, check_total
 from gradaccum.torch._weights import loss_seed, window_term
+from gradaccum.torch.cached.backward import CachedBackward
 from gradaccum.torch.distributed.base import GradSync
 
 __all__ = ["Feeds", "refuse_partial"]

@@ -12,7 +12,6 @@ from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
-from gradaccum.torch._cached import CachedBackward
 from gradaccum.torch._checkpointing import Checkpointing
 from gradaccum.torch._feeds import Feeds, refuse_partial
 from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
@@ -33,9 +32,10 @@ from gradaccum.torch._validate import (
 )
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
+from gradaccum.torch.cached.backward import CachedBackward
 from gradaccum.torch.distributed.base import GradSync, SyncMode
-from gradaccum.torch.distributed.pipeline import PendingSync, PipelineSync
-from gradaccum.torch.distributed.selector import make_sync
+from gradaccum.torch.distributed.selector import PendingSync, make_sync
+from gradaccum.torch.pipeline.sync import PipelineSync
 
 __all__ = ["Accumulator", "MicroBatch"]
 
@@ -253,7 +253,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
             ValueError: a bad input on any rank, raised on every rank together: before any
                 ``step()`` at the run's first call, else at the window's boundary (no rank steps).
         """
-        from gradaccum.torch._pipeline import backward_pipeline
+        from gradaccum.torch.pipeline.feed import backward_pipeline
 
         if self._entered:
             refuse_entry("backward_pipeline")

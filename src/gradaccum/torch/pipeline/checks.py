@@ -15,7 +15,7 @@ error together.
   options, and each rank's problems; the last stage tells every rank how the window is weighted.
 * **Later calls**: a problem only one rank can see is recorded, the ``step()`` runs harmlessly
   (a zero loss), and the window's boundary all-reduce carries it: every rank raises there and no
-  rank steps (torch/_pipeline_boundary.py).
+  rank steps (torch/pipeline/boundary.py).
 """
 
 from __future__ import annotations

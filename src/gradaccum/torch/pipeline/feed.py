@@ -16,8 +16,8 @@ times a GradScaler's scale, where ``P`` is the window's provisional total (core/
 of two near ``N`` times the count per call, or 1 where no gradient can overflow). Every stage's
 gradient comes from these seeds; at the boundary every stage is corrected by ``P / T``, ``T`` the
 window's true total over every call and data-parallel rank, which the one boundary all-reduce
-brings to every rank (torch/_pipeline_boundary.py). The ranks' agreement and the deferral of a
-problem only one rank sees: torch/_pipeline_checks.py.
+brings to every rank (torch/pipeline/boundary.py). The ranks' agreement and the deferral of a
+problem only one rank sees: torch/pipeline/checks.py.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from gradaccum.core.window import Window
-from gradaccum.torch._pipeline_boundary import step_pipeline_window
-from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed, Call, check_call
 from gradaccum.torch._weights import wide_count
-from gradaccum.torch.distributed.pipeline import PipelineSync, schedule_stages
+from gradaccum.torch.pipeline.boundary import step_pipeline_window
+from gradaccum.torch.pipeline.checks import CALL, FLUSH, Agreed, Call, check_call
+from gradaccum.torch.pipeline.sync import PipelineSync, schedule_stages
 
 __all__ = ["backward_pipeline", "pow2_total"]
 
@@ -138,7 +138,7 @@ def _agree(acc: Any, sync: PipelineSync, call: Call, n_mb: int) -> Agreed:
 
 
 def _pairs(acc: Any, sync: PipelineSync, operation: int, n_mb: int) -> list[float]:
-    """What every rank must hold alike (torch/_pipeline_checks.py's pairs), in their order."""
+    """What every rank must hold alike (torch/pipeline/checks.py's pairs), in their order."""
     window, precision = acc._window, acc._precision
     return [operation, window.size, window.micro_step, n_mb, sync.n_stages, precision.scaler is not None,
             -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
