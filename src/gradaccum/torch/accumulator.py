@@ -287,9 +287,7 @@ class Accumulator:
             True
         """
         n = check_items(n_items, reduction)
-        if self._entered:
-            refuse_entry("backward_cached")
-        self._entered = True
+        self._enter("backward_cached")
         try:
             self._before_feed(self._window)
             try:
@@ -330,9 +328,7 @@ class Accumulator:
             True
         """
         n = check_items(n_items, reduction)
-        if self._entered:
-            refuse_entry("micro_batch")
-        self._entered = True
+        self._enter("micro_batch")
         try:
             window = self._window
             self._before_feed(window)
@@ -368,9 +364,7 @@ class Accumulator:
         from gradaccum.torch.pipeline.boundary import step_pipeline_window
         from gradaccum.torch.pipeline.feed import attach, feed
 
-        if self._entered:
-            refuse_entry("backward_pipeline")
-        self._entered = True
+        self._enter("backward_pipeline")
         try:
             sync = self._sync
             if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
@@ -510,6 +504,13 @@ class Accumulator:
         return self._discard_hooks.register(hook)
 
     # ------------------------------------------------------------------ the window's steps
+    def _enter(self, method: str) -> None:
+        """Refuse ``method`` while another feeding call (or flush) runs; else mark it running (the
+        caller clears the flag when it ends). ``backward`` does the same inline: no call more."""
+        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
+            refuse_entry(method)
+        self._entered = True
+
     def _open_window(self, basis: Any) -> None:
         self._partial = None
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
