@@ -154,6 +154,40 @@ def test_import_gradaccum_needs_neither_tqdm_nor_matplotlib():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_accumulator_defines_every_public_method_itself():
+    # No mixin, and no method a subclass fills in: a reader of accumulator.py sees all of it.
+    from gradaccum.torch.accumulator import Accumulator
+
+    assert Accumulator.__bases__ == (object,)
+    public = [name for name in dir(Accumulator) if not name.startswith("_")]
+    assert "backward_cached" in public and "state_dict" in public
+    assert [name for name in public if name not in vars(Accumulator)] == []
+
+
+def test_no_module_reads_or_writes_an_accumulators_private_attributes():
+    # The parts are given what they need (torch/accumulator.py's docstring): outside that file, no
+    # attribute of another object (not self) bears the name of one of an Accumulator's private
+    # attributes or methods, and no getattr/setattr/hasattr names one.
+    import torch
+
+    acc = gradaccum.Accumulator(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 1)
+    private = {k for k in [*vars(acc), *dir(type(acc))] if k.startswith("_") and not k.startswith("__")}
+    assert {"_window", "_precision", "_sync", "_commit"} <= private
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "torch" / "accumulator.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value in private):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
 def test_the_module_report_lists_every_module(capsys):
     report = runpy.run_path(str(SRC.parents[1] / "scripts" / "module_report.py"))
     lines = report["module_lines"]()

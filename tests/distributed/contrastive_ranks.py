@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradaccum
 from gradaccum.contrastive import clip_loss, info_nce, rank_local, siglip_loss
-from gradaccum.torch._loss_ranks import ranks_running_loss
+from gradaccum.torch.cached.loss_ranks import ranks_running_loss
 from gradaccum.torch.distributed.collectives import RankGroups
 from tests.contrastive import Towers, supcon_loss
 from tests.contrastive_dense import clip_dense, info_nce_dense, siglip_dense

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradaccum
-from gradaccum.torch import _replay
+from gradaccum.torch.cached import replay as _replay
 from tests.contrastive import Towers, clip_loss, full_batch_grads, largest_difference, pairs, step_pre_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

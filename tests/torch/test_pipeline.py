@@ -25,8 +25,8 @@ from gradaccum.bench.pipeline import (
     token_sum,
     window_batches,
 )
-from gradaccum.torch._pipeline import pow2_total
-from gradaccum.torch._pipeline_checks import CALL, agreement_vector, read_agreement
+from gradaccum.torch.pipeline.checks import CALL, agreement_vector, read_agreement
+from gradaccum.torch.pipeline.feed import pow2_total
 
 STEPS, N_MB = 3, 4
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "PIPELINE.md"

@@ -4,7 +4,7 @@ gradient buffer the ranks sum in one all-reduce.
 A kernel walks the ``tile x tile`` blocks of ``scale * a @ b.T`` over its share of the rows of ``a``
 and every row of ``b``; it never holds more than a few blocks at once. On one process the share is
 every row. While ``loss_fn`` of ``Accumulator.backward_cached`` runs on several ranks, every rank
-holds the same gathered inputs (``gradaccum.torch._loss_ranks``), so the rows are shared out
+holds the same gathered inputs (``gradaccum.torch.cached.loss_ranks``), so the rows are shared out
 evenly: each rank computes its block of rows against every column, and the ranks sum their parts.
 
 Dtypes (:class:`Plan`): the blocks' matrix products run in the inputs' dtype, or, under autocast,
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.torch._loss_ranks import loss_ranks
+from gradaccum.torch.cached.loss_ranks import loss_ranks
 from gradaccum.torch.distributed.collectives import RankGroups
 
 __all__ = ["CPU_TILE", "CUDA_TILE", "Grads", "Plan", "Share", "accumulate", "gemm_dtype", "logits",

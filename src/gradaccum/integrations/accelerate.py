@@ -17,7 +17,7 @@ import torch
 
 from gradaccum.integrations._resume import ResumeCheck
 from gradaccum.torch import Accumulator as _Accumulator
-from gradaccum.torch._boundary import Outcome
+from gradaccum.torch._guards import stepping_accumulator
 from gradaccum.torch._validate import Items, Reduction, Scheduler
 
 __all__ = ["Accumulator"]
@@ -31,34 +31,33 @@ class _OwnSteps:
     ``lr_scheduler.step()`` left in the loop stepped it a second time per window. Calls from the
     loop are no-ops now, as the prepared optimizer's ``step()`` and ``zero_grad()`` are once the
     boundary has cleared the gradients. Once its accumulator is gone, ``step`` is the scheduler's.
+    The accumulator's own call passes: the one an adapter's boundary makes while it steps its
+    scheduler (``stepping_accumulator`` names it then).
     """
 
     def __init__(self, step: Callable[..., Any], owner: Any) -> None:
         self.step = step
         self.owner = weakref.ref(owner)
-        self.open = False  # True while the accumulator steps it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.open or self.owner() is None:
+        if isinstance(stepping_accumulator(), Accumulator) or self.owner() is None:
             return self.step(*args, **kwargs)
         return None
 
 
-def _own_steps(scheduler: Any, owner: Any) -> _OwnSteps | None:
+def _own_steps(scheduler: Any, owner: Any) -> None:
     """Install (or, for a scheduler a former adapter had, take over) the gate on a prepared
     scheduler's ``step``. A plain torch scheduler keeps its own (its ``state_dict`` would save the
     gate); the accumulator then refuses a step made outside it, at the next window."""
     from accelerate.scheduler import AcceleratedScheduler
 
     if not isinstance(scheduler, AcceleratedScheduler):
-        return None
+        return
     gate = vars(scheduler).get("step")
     if isinstance(gate, _OwnSteps):
         gate.owner = weakref.ref(owner)
-        return gate
-    gate = _OwnSteps(scheduler.step, owner)
-    scheduler.step = gate
-    return gate
+        return
+    scheduler.step = _OwnSteps(scheduler.step, owner)
 
 
 class Accumulator(_Accumulator):
@@ -130,7 +129,8 @@ class Accumulator(_Accumulator):
         super().__init__(raw, accelerator.gradient_accumulation_steps if steps is None else steps,
                          model=model, scheduler=scheduler, scaler=accelerator.scaler, **options)
         self._gradient_state = accelerator.gradient_state
-        self._own_steps = None if scheduler is None else _own_steps(scheduler, self)
+        if scheduler is not None:
+            _own_steps(scheduler, self)  # the loop's own scheduler.step() passes no more
         accelerator.register_for_checkpointing(self)
         self._resume = ResumeCheck(accelerator)  # the data's order around save_state / load_state
 
@@ -178,17 +178,6 @@ class Accumulator(_Accumulator):
         stepped = super().flush()
         self._gradient_state.sync_gradients = self.windows != windows
         return stepped
-
-    def _count(self, out: Outcome) -> None:
-        """The boundary's bookkeeping, with the scheduler's gate open for its step."""
-        gate = self._own_steps
-        if gate is None:
-            return super()._count(out)
-        gate.open = True
-        try:
-            super()._count(out)
-        finally:
-            gate.open = False
 
     def _fed(self, feed: Callable[[], bool]) -> bool:
         """Run one feeding call with Accelerate's flags around it (``sync_gradients`` True while

@@ -2,9 +2,16 @@
 
 May import: gradaccum.core
 
-``accumulator.py`` and its private helpers (``_*.py``) are the hot path; each feature has a
-folder of its own, matching its page in ``docs/``: ``distributed/``, ``check/``, ``memory/``,
-``batchnorm/``.
+``accumulator.py`` holds the :class:`Accumulator`: the window's state and every public method (the hot path). Its
+parts sit beside it as private modules, each told only what it needs: the boundary
+(``_boundary.py``), the backward weights (``_weights.py``, ``_terms.py``), mixed precision
+(``_precision.py``, ``_accum_buffers.py``), the gradient passes and the window loss (``_grads.py``,
+``_window_loss.py``), the guards (``_guards.py``, ``_window_grads.py``, ``_holders.py``,
+``_saves.py``), the checkpoint record (``_state.py``), a multi-task block (``_micro_batch.py``),
+window hooks (``_hooks.py``) and input checks (``_validate.py``). Each feature has a folder of its
+own, matching its page in ``docs/``: ``distributed/`` (DISTRIBUTED), ``pipeline/``
+(``backward_pipeline``: PIPELINE), ``cached/`` (``backward_cached``: CONTRASTIVE), ``check/``
+(CHECK), ``memory/`` (MEMORY), ``batchnorm/`` (BATCHNORM); ``tokens.py`` is ``count_tokens``.
 
 Needs PyTorch (``pip install torch``); ``gradaccum.core`` and ``gradaccum.mindspore`` do not.
 """
@@ -17,11 +24,11 @@ except ImportError as err:
         f"(importing torch failed: {err})"
     ) from err
 
-from gradaccum.torch._chunks import chunks
 from gradaccum.torch.accumulator import Accumulator, MicroBatch
 from gradaccum.torch.batchnorm.convert import restore_batchnorm, to_groupnorm
 from gradaccum.torch.batchnorm.momentum import restore_momentum_, scale_momentum_
 from gradaccum.torch.batchnorm.window import WindowBatchNorm, to_window_batchnorm, window_batchnorm
+from gradaccum.torch.cached.chunks import chunks
 from gradaccum.torch.check.checker import check_equivalence
 from gradaccum.torch.check.hazards import Hazard
 from gradaccum.torch.check.report import CheckReport, TensorDiff

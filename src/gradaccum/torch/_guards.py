@@ -22,7 +22,9 @@ scheduler the accumulator steps too. Nothing fails, the training is just wrong. 
   window's first micro-batch and at the boundary, before anything changes. A count that moved
   forward in between is a ``scheduler.step()`` of your own: ``RuntimeError``, naming the fix. A
   scheduler without an integer ``last_epoch`` is not checked; ``load_state_dict`` starts over (a
-  scheduler's state is loaded beside it).
+  scheduler's state is loaded beside it). While the accumulator steps it,
+  :func:`stepping_accumulator` names the accumulator, so a wrapper that gates a scheduler's
+  ``step`` lets that call through (the Accelerate adapter's gate).
 """
 
 from __future__ import annotations
@@ -30,18 +32,30 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 import torch
 
 from gradaccum.torch._window_grads import WindowGrads
 
-__all__ = ["Guard", "exact_grads", "refuse_entry"]
+__all__ = ["Guard", "exact_grads", "refuse_entry", "stepping_accumulator"]
 
 # Hooks of dropped accumulators, taken off when the next Guard is made: an accumulator can be
 # collected while the optimizer iterates over its hooks (a collection triggered inside one),
 # where removing a hook would change the dict being iterated.
 _RETIRED: list[Any] = []
+# The accumulator whose boundary is stepping its scheduler now (Guard.step_scheduler), or None.
+_STEPPING: ContextVar[Any] = ContextVar("gradaccum_stepping_scheduler", default=None)
+
+
+def stepping_accumulator() -> Any:
+    """The accumulator whose boundary is stepping its ``scheduler=`` right now, or None.
+
+    For a wrapper put in place of a scheduler's ``step`` that passes only the accumulator's own
+    call (integrations/accelerate.py).
+    """
+    return _STEPPING.get()
 
 
 class Guard:
@@ -174,10 +188,13 @@ class Guard:
             self.grads.check(micro_step, steps)
 
     def step_scheduler(self, scheduler: Any) -> None:
-        """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises)."""
+        """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises);
+        :func:`stepping_accumulator` names the accumulator while it runs."""
+        token = _STEPPING.set(self._owner())
         try:
             scheduler.step()
         finally:
+            _STEPPING.reset(token)
             self.scheduled()
 
     def scheduled(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Holders"]
 
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+# The entry of every live accumulator (held weakly: an entry lives as long as its accumulator).
+_LIVE: weakref.WeakSet[Holders] = weakref.WeakSet()
 # parameter -> what the accumulator dropped with a partial window over it held
 _ORPHANED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -44,20 +45,31 @@ _ORPHANED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 class Holders:
     """One accumulator's entry in the module's registry.
 
+    It reads its accumulator's public ``micro_step`` (how many micro-batches its window holds) and
+    calls its public ``discard()``; the entries of other accumulators are read the same way.
+
     Args:
-        owner: the accumulator (held weakly by the registry).
+        owner: the accumulator (held weakly).
         params: its optimizer's parameters.
-        open_steps: returns how many micro-batches an accumulator's window holds.
     """
 
-    def __init__(self, owner: Any, params: Sequence[torch.Tensor],
-                 open_steps: Callable[[Any], int]) -> None:
+    def __init__(self, owner: Any, params: Sequence[torch.Tensor]) -> None:
         self.ids = frozenset(id(p) for p in params)
         self._params = list(params)
-        self._open_steps = open_steps
-        _LIVE.add(owner)
+        self._owner = weakref.ref(owner)
+        _LIVE.add(self)
 
-    def check_first(self, owner: Any) -> None:
+    @property
+    def owner(self) -> Any:
+        """The accumulator, or None once it is gone."""
+        return self._owner()
+
+    def open_steps(self) -> int:
+        """Micro-batches the accumulator's window holds (0 once it is gone)."""
+        owner = self._owner()
+        return 0 if owner is None else int(owner.micro_step)
+
+    def check_first(self) -> None:
         """Before a window's first micro-batch: refuse if another live accumulator holds a partial
         window over these parameters; discard, with a warning, what a dropped one left.
 
@@ -65,26 +77,25 @@ class Holders:
             RuntimeError: naming both accumulators and what to do; nothing has changed.
         """
         if len(_LIVE) > 1:
-            self.refuse_overlap(owner)
+            self.refuse_overlap()
         if _ORPHANED:
             self._discard_orphans()
 
-    def refuse_overlap(self, owner: Any, doing: str = "open a window",
-                       effect: str = "apply and then zero") -> None:
+    def refuse_overlap(self, doing: str = "open a window", effect: str = "apply and then zero") -> None:
         """Raise if another live accumulator holds a partial window over these parameters
-        (``doing``: what ``owner`` was about to do; ``effect``: what that would do to it).
+        (``doing``: what the owner was about to do; ``effect``: what that would do to it).
 
         Raises:
             RuntimeError: naming both accumulators and what to do.
         """
-        if self._holder(owner) is None:
+        if self._holder() is None:
             return
         # An accumulator dropped inside a reference cycle lives until the collector runs: collect
         # once, on a conflict only, before calling it one (it then leaves an orphaned window).
         gc.collect()
-        found = self._holder(owner)
+        found = self._holder()
         if found is not None:
-            other, held = found
+            owner, (other, held) = self._owner(), found
             raise RuntimeError(
                 f"{owner!r} (id {id(owner):#x}) cannot {doing}: {other!r} (id {id(other):#x}) holds a "
                 f"partial window of {held} micro-batch(es) over the same parameters, in the same "
@@ -93,15 +104,15 @@ class Holders:
                 "loss terms of different normalizers: acc.micro_batch() and mb.term(loss, n_items, "
                 "total=T))")
 
-    def discard_others(self, owner: Any) -> None:
-        """Before ``owner`` sets the shared gradients to None: discard every other accumulator
+    def discard_others(self) -> None:
+        """Before the owner sets the shared gradients to None: discard every other accumulator
         whose partial window lives in them (its gradients are gone), with a warning."""
         if len(_LIVE) < 2:
             return
-        for other in list(_LIVE):
-            entry = getattr(other, "_holders", None)
-            if (other is owner or not isinstance(entry, Holders) or not self.ids & entry.ids
-                    or not entry._open_steps(other)):
+        owner = self._owner()
+        for entry in list(_LIVE):
+            other = entry.owner
+            if entry is self or other is None or not self.ids & entry.ids or not entry.open_steps():
                 continue
             warnings.warn(f"discard() of {owner!r} also discards {other!r}: its partial window lived in "
                           "the same .grad", stacklevel=4)
@@ -136,13 +147,13 @@ class Holders:
             "Call flush() (or discard()) before dropping an accumulator, e.g. at the end of each "
             "epoch, or keep one accumulator for the whole run", stacklevel=5)
 
-    def _holder(self, owner: Any) -> tuple[Any, int] | None:
+    def _holder(self) -> tuple[Any, int] | None:
         """Another live accumulator with a partial window over these parameters, and its count."""
-        for other in list(_LIVE):
-            entry = getattr(other, "_holders", None)
-            if other is owner or not isinstance(entry, Holders) or not self.ids & entry.ids:
+        for entry in list(_LIVE):
+            other = entry.owner
+            if entry is self or other is None or not self.ids & entry.ids:
                 continue
-            held = entry._open_steps(other)
+            held = entry.open_steps()
             if held:
                 return other, held
         return None

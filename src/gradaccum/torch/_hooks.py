@@ -1,4 +1,5 @@
-"""Callbacks the accumulator runs at window events (a boundary, a discard)."""
+"""Callbacks the accumulator runs at window events (a boundary, a discard): one :class:`HookList`
+per event, filled by ``register_boundary_hook`` and ``register_discard_hook``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookList", "WindowHooks"]
+__all__ = ["HookList"]
 
 
 class HookList:
@@ -37,30 +38,3 @@ class HookList:
         """Run every hook, in registration order (a copy: hooks may remove themselves)."""
         for hook in list(self._hooks.values()):
             hook(acc)
-
-
-class WindowHooks:
-    """The accumulator's window events: ``hook(accumulator)`` after a boundary or a discard."""
-
-    def __init__(self) -> None:
-        self._hooks = HookList()
-        self._discard_hooks = HookList()
-
-    def register_boundary_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
-        """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
-
-        Returns:
-            A handle whose ``remove()`` unregisters the hook.
-        """
-        return self._hooks.register(hook)
-
-    def register_discard_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
-        """Call ``hook(accumulator)`` after ``discard()`` drops a partial window.
-
-        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
-        which a discarded window must not leave behind.
-
-        Returns:
-            A handle whose ``remove()`` unregisters the hook.
-        """
-        return self._discard_hooks.register(hook)

@@ -1,5 +1,9 @@
 """The handle of a micro-batch fed by several backward calls (multi-task losses), and of loss
-terms with a normalizer of their own (:mod:`gradaccum.torch._terms`)."""
+terms with a normalizer of their own (:mod:`gradaccum.torch._terms`).
+
+:func:`feed_block` is ``Accumulator.micro_batch``'s block: it weighs the micro-batch against the
+window record it is given, runs each backward through the precision part, and hands the window
+after the block to the accumulator's ``commit``."""
 
 from __future__ import annotations
 
@@ -9,9 +13,16 @@ from typing import Any
 
 import torch
 
-from gradaccum.torch._validate import check_loss
+from gradaccum.core.terms import add_terms
+from gradaccum.core.window import Window
+from gradaccum.torch._guards import Guard
+from gradaccum.torch._precision import Precision
+from gradaccum.torch._terms import term_count, term_factor
+from gradaccum.torch._validate import check_loss, check_total
+from gradaccum.torch._weights import loss_seed, window_term
+from gradaccum.torch.distributed.base import GradSync
 
-__all__ = ["MicroBatch", "micro_batch_block"]
+__all__ = ["MicroBatch", "feed_block"]
 
 
 class MicroBatch:
@@ -100,11 +111,36 @@ class MicroBatch:
 
 
 @contextmanager
-def micro_batch_block(backward: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
-                      weigh: Callable[[Any, Any, Any], Any]) -> Iterator[MicroBatch]:
-    """A :class:`MicroBatch` open for the ``with`` block and closed when it ends (also on error)."""
-    mb = MicroBatch(backward, weigh)
+def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync, guard: Guard,
+               commit: Callable[[Window], bool]) -> Iterator[MicroBatch]:
+    """One micro-batch of ``window`` fed by the block's ``mb.backward`` calls.
+
+    The micro-batch is weighed when the block opens (its count ``n``, checked; ``summed``: the
+    losses are sum-reduced), and each loss is backpropagated from its weight through
+    ``precision``. When the block ends the :class:`MicroBatch` closes (also on error); without an
+    error, ``guard`` is told of the backward passes run and ``commit(window after the block)``
+    (the accumulator's) returns whether the window stepped (:attr:`MicroBatch.stepped`).
+    """
+    term, scale = window_term(window, n, precision.overflow_prone, sync)
+    pending = window.advance(term, scale=scale, summed=summed)
+    check_total(pending.items)
+
+    def run(loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
+        return loss.detach(), 1 if n is None or summed else n
+
+    fed: list[tuple[Any, Any]] = []  # (n_items, total) of each term, in call order
+
+    def weigh(n_term: Any, total: Any, term_reduction: Any) -> Any:
+        factor = term_factor(n_term, total, term_reduction, n, sync.world_size, pending.size)
+        fed.append((term_count(n_term), term_count(total)))
+        return factor
+
+    mb = MicroBatch(run, weigh)
     try:
         yield mb
     finally:
         mb.closed = True
+    guard.note_passes(len(mb.parts))
+    mb.stepped = commit(pending._replace(losses=pending.losses + tuple(mb.parts),
+                                         terms=add_terms(pending.terms, fed)))

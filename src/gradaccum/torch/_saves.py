@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SavedWindows"]
+__all__ = ["SaveWatch"]
 
 # Hooks of dropped accumulators, taken off the optimizer when the next watch is made: a hook
 # cannot remove itself while the optimizer iterates over its hooks (torch/_guards.py's reason).
@@ -44,8 +44,16 @@ def _in_accelerate(optimizer: Any) -> bool:
     return type(optimizer).__module__.split(".")[0] == "accelerate"
 
 
-class _Watch:
-    """The points in the window where the optimizer's and the accumulator's states were taken."""
+class SaveWatch:
+    """The points in the window where the optimizer's and the accumulator's states were taken.
+
+    It reads the accumulator's public ``windows`` and ``micro_step`` and registers its check with
+    ``register_boundary_hook``; the accumulator tells it of its own ``state_dict`` (:meth:`own_saved`).
+
+    Args:
+        acc: the accumulator (held weakly).
+        optimizer: its optimizer (a wrapper's inner one is watched).
+    """
 
     def __init__(self, acc: Any, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer_at: tuple[int, int] | None = None  # (window, micro-step), mid-window only
@@ -68,6 +76,10 @@ class _Watch:
         weakref.finalize(acc, _DEAD.append, handle)
         acc.register_boundary_hook(self.check)
 
+    def own_saved(self, windows: int, micro_step: int) -> None:
+        """The accumulator's own ``state_dict`` was taken at ``micro_step`` of window ``windows``."""
+        self.own_at = (windows, micro_step)
+
     def check(self, acc: Any) -> None:
         """At a boundary: warn once if the window's optimizer state was saved without ours."""
         saved, self.optimizer_at = self.optimizer_at, None
@@ -82,26 +94,3 @@ class _Watch:
             f"the optimizer's state was saved in the middle of a window (after micro-batch {saved[1]} "
             f"of {acc.steps}) without the accumulator's: a run resumed from that checkpoint loses the "
             f"window's partial gradients. {fix[0].upper()}{fix[1:]}", UserWarning, stacklevel=_user_level())
-
-
-class SavedWindows:
-    """Mixin of :class:`~gradaccum.Accumulator`: the watch above (``_watch_saves`` in its
-    ``__init__``) and the note its ``state_dict`` leaves."""
-
-    _saves: _Watch
-
-    def _watch_saves(self, optimizer: torch.optim.Optimizer) -> None:
-        self._saves = _Watch(self, optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        """All a bit-exact resume in the middle of a window needs (counters, window, partial
-        gradients and losses, the last window's loss); save it beside the model's and optimizer's.
-
-        Raises:
-            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
-                live inside FSDP2 (save at ``micro_step == 0``).
-        """
-        state: dict[str, Any] = super().state_dict()  # type: ignore[misc]
-        me: Any = self
-        self._saves.own_at = (me.windows, me.micro_step)
-        return state

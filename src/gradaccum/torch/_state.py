@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, nonneg_finite, param_signature
+from gradaccum.core.schedule import Schedule
 from gradaccum.core.window import Window
 from gradaccum.torch._window_loss import weighted_sum
 
-__all__ = ["FORMAT_VERSION", "check_state", "clone_scalar", "pack_state", "restore_grads",
+__all__ = ["FORMAT_VERSION", "check_size", "check_state", "clone_scalar", "pack_state", "restore_grads",
            "restore_window", "snapshot_grads"]
 
 
@@ -97,6 +98,28 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
         if g is not None:
             _check_grad(f"state['grads'][{i}]", p, g)
     return window
+
+
+def check_size(window: Window, schedule: Schedule) -> None:
+    """A saved window's size is the one ``schedule`` gave when it opened (else the window would
+    never complete, or complete early). A window keeps its size to its boundary: the count
+    checked is the one it opened at, not the saved counters (an epoch schedule's window
+    carried into the next epoch). A resized window (``resize_window``, AutoBatch), or one
+    saved before the count was recorded (gradaccum 0.3.0 and older), is taken as saved.
+
+    Raises:
+        ValueError: naming the saved size, the count and what the schedule gives there.
+    """
+    at = window.opened_at
+    if at is None:
+        return
+    want = schedule(at)
+    if window.size != want:
+        count = "epoch" if schedule.by == "epoch" else "optimizer step"
+        raise ValueError(f"state['window']['size'] is {window.size}, but steps="
+                         f"{schedule.describe()!r} gives {want} at {count} {at}, where "
+                         "the window opened (state['window']['opened_at']): not a state this "
+                         "accumulator wrote; resume from an unedited Accumulator.state_dict()")
 
 
 def _check_scale(scale: Any) -> None:

@@ -1,26 +1,46 @@
-"""The PyTorch :class:`Accumulator`: N micro-batches, one exact optimizer update (docs/GUIDE.md)."""
+"""The PyTorch :class:`Accumulator`: N micro-batches, one exact optimizer update (docs/GUIDE.md).
+
+**Its shape.** The accumulator owns the state of its window: the window record
+(:class:`gradaccum.core.window.Window`, immutable: each micro-batch gives a new one), the counters
+and the last window's loss. It owns its parts, each made here and told only what it needs:
+``Precision`` (the backward, GradScaler, wide buffers), the gradient sync (``distributed/``; a
+``PipelineSync`` once ``backward_pipeline`` feeds it), ``Guard`` and ``Holders`` (the mistakes
+caught), ``CachedBackward`` (``cached/``), the boundary function (``_boundary.py``, or
+``pipeline/boundary.py``), the hook lists and the save watch. Every public method is defined
+here, with its documentation, as a short body: it calls a function or a part's public method
+with explicit arguments (the window record, the parts it needs, and where a feed runs the
+accumulator's own steps, its ``_commit`` as a callback), takes back a result (the window after
+the micro-batch, a checked state) and commits it. No module reads or writes the accumulator's
+private attributes, and no other module defines a method of it.
+
+One idea, one file: the window's life (open, feed, commit, close, drop, save, restore) is the
+accumulator's state and nothing else's, so every method that changes it is here; the work each
+step does lives in the modules named above. The per-micro-step path is ``backward`` ->
+``_before_feed`` -> ``_commit`` (``_close_window`` at a boundary), with no layer between.
+"""
 
 from __future__ import annotations
 
 import warnings
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from gradaccum.core.checkpoint import COUNTERS
 from gradaccum.core.schedule import Schedule, StepsSpec, as_schedule
 from gradaccum.core.validate import check_nonneg_int, check_optional_positive_float, check_positive_int
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
-from gradaccum.torch._cached import CachedBackward
-from gradaccum.torch._checkpointing import Checkpointing
-from gradaccum.torch._feeds import Feeds, refuse_partial
 from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
-from gradaccum.torch._hooks import WindowHooks
-from gradaccum.torch._micro_batch import MicroBatch
+from gradaccum.torch._hooks import HookList
+from gradaccum.torch._micro_batch import MicroBatch, feed_block
 from gradaccum.torch._precision import Precision
-from gradaccum.torch._saves import SavedWindows
+from gradaccum.torch._saves import SaveWatch
+from gradaccum.torch._state import check_size, check_state, pack_state, restore_grads, restore_window
 from gradaccum.torch._validate import (
     Items,
     Reduction,
@@ -33,19 +53,16 @@ from gradaccum.torch._validate import (
 )
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
+from gradaccum.torch.cached.backward import CachedBackward
+from gradaccum.torch.cached.grads import partial_cause, refuse_partial
 from gradaccum.torch.distributed.base import GradSync, SyncMode
-from gradaccum.torch.distributed.pipeline import PendingSync, PipelineSync
-from gradaccum.torch.distributed.selector import make_sync
+from gradaccum.torch.distributed.selector import PendingSync, make_sync
+from gradaccum.torch.pipeline.sync import PipelineSync
 
 __all__ = ["Accumulator", "MicroBatch"]
 
 
-def _open_steps(acc: Accumulator) -> int:
-    """Micro-batches ``acc``'s window holds (for :class:`Holders`: another accumulator's check)."""
-    return acc.micro_step
-
-
-class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
+class Accumulator:
     """Accumulate the gradients of N micro-batches and apply them as one exact update.
 
     Gradients add up in ``.grad``; the parameters change only at a window's boundary (unscale,
@@ -101,6 +118,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         [False, True, False, True]
     """
 
+
     _window: Window
     _entered = False  # a feeding call (or flush) is running: another one is refused
 
@@ -137,19 +155,20 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         self.model = model
         self.scheduler = scheduler
         self._params = params
-        WindowHooks.__init__(self)
-        self._watch_saves(optimizer)
+        self._hooks = HookList()  # after a boundary
+        self._discard_hooks = HookList()
+        self._saves = SaveWatch(self, optimizer)  # an optimizer state saved mid-window without ours
         self.optimizer_steps = 0
         self.skipped_windows = 0
         self.epoch = 0
         self.grad_norm: torch.Tensor | None = None
         self._last_loss: WindowLoss | None = None
-        self._partial: str | None = None
+        self._partial: str | None = None  # what a backward_cached call leaving it partly accumulated raised
         self._warned_no_grad = False
-        self._holders = Holders(self, params, _open_steps)
+        self._holders = Holders(self, params)
         self._guard = Guard(self, optimizer, params, scheduler, model, exact_grads(self._sync))
         self._cached = CachedBackward(params, self._precision, self._sync, model)
-        self._boundary = step_window  # a pipeline's own once backward_pipeline feeds the window
+        self._boundary: Callable[..., Outcome] = step_window  # a pipeline's own once backward_pipeline feeds
         self._open_window(None)
 
     @property
@@ -177,7 +196,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         """The last applied window's loss, weighted like its gradient (a 0-dim tensor; ``None``
         before the first boundary). Under DDP/FSDP2 it is the loss over every rank's items.
         Summed when read (no cost for a loop that never logs it, no GPU sync)."""
-        return self._last_window_loss()
+        return None if self._last_loss is None else self._last_loss.value()
 
     @property
     def windows(self) -> int:
@@ -230,6 +249,95 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         finally:
             self._entered = False
 
+    def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
+                        chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
+                        ) -> bool:
+        """Feed one batch whose loss couples its examples (contrastive), at one chunk's memory.
+
+        The whole batch's exact gradient by representation caching, as one micro-batch of the
+        window (GradCache: encode each chunk without grad, run ``loss_fn`` once, encode each chunk
+        again with its RNG replayed and backpropagate its slice; docs/CONTRASTIVE.md).
+
+        Args:
+            encode: ``encode(chunk)`` gives a tensor or tuple of tensors, dim 0 the chunk's examples.
+            loss_fn: ``loss_fn(*reps)`` gets each output concatenated over chunks (and ranks) and
+                returns the scalar loss; non-floating outputs (labels) carry no grad.
+            chunks: the batch's micro-batches, a non-empty iterable (:func:`gradaccum.chunks`).
+            n_items: the batch's items (this rank's), as for :meth:`backward`.
+            reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the items.
+
+        Returns:
+            True when this call completed the window and the optimizer stepped.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: bad input (empty ``chunks``; ``encode`` outputs
+                not tensors, without dim 0, of other rows than their chunk's examples, or
+                changing; a non-scalar loss), and whatever ``encode`` or ``loss_fn`` raise. Before
+                the second pass's first backward, or on a window's first micro-batch, gradients,
+                window, BatchNorm and RNG are then as they were; later in a window, the window is
+                left partly accumulated, and the next feed, ``flush`` or ``state_dict`` raises
+                until :meth:`discard` (docs/CONTRASTIVE.md, "Failures").
+
+        Example:
+            >>> import gradaccum
+            >>> enc = torch.nn.Linear(4, 3)
+            >>> acc = gradaccum.Accumulator(torch.optim.SGD(enc.parameters(), lr=0.1), steps=1, model=enc)
+            >>> loss_fn = lambda z: torch.nn.functional.cross_entropy(z @ z.T, torch.arange(len(z)))
+            >>> acc.backward_cached(enc, loss_fn, gradaccum.chunks(torch.randn(10, 4), 4))
+            True
+        """
+        n = check_items(n_items, reduction)
+        self._enter("backward_cached")
+        try:
+            self._before_feed(self._window)
+            try:
+                window = self._cached.run(encode, loss_fn, chunks, self._window, n, reduction == "sum")
+            except BaseException as e:
+                if self._cached.partial:
+                    self._partial = partial_cause(e)
+                raise
+            self._guard.note_passes(self._cached.passes, self._cached.loss_params)
+            return self._commit(window)
+        finally:
+            self._entered = False
+
+    @contextmanager
+    def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
+        """Feed one micro-batch whose loss comes from several forward graphs (multi-task).
+
+        Call ``mb.backward(loss)`` right after each task's forward, so only one autograd graph is
+        alive at a time; the block counts as one micro-batch and the handle closes with it. On an
+        exception inside the block, call :meth:`discard`: its gradients are partly accumulated.
+
+        Terms of different normalizers (a policy term per sequence, an entropy bonus per token,
+        an auxiliary loss per micro-batch): open the block without ``n_items`` and give each
+        term its count and its total over the window, ``mb.backward(mb.term(loss, n_items,
+        total=T) + ...)`` (:meth:`MicroBatch.term`); a plain loss in the sum weighs ``1/N``, a
+        mean over the window's micro-batches. Exact for a full window (one holding a term cannot
+        be flushed early: docs/INTEGRATIONS.md).
+
+        Example:
+            >>> from gradaccum import Accumulator
+            >>> model = torch.nn.Linear(3, 2)
+            >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+            >>> x = torch.randn(4, 3)
+            >>> with acc.micro_batch() as mb:
+            ...     mb.backward(model(x)[:, 0].pow(2).mean())
+            ...     mb.backward(model(x)[:, 1].abs().mean())
+            >>> mb.stepped
+            True
+        """
+        n = check_items(n_items, reduction)
+        self._enter("micro_batch")
+        try:
+            window = self._window
+            self._before_feed(window)
+            with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
+                            self._commit) as mb:
+                yield mb
+        finally:
+            self._entered = False
+
     def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
                           reduction: Reduction = "mean", **kwargs: Any) -> bool:
         """Feed one ``schedule.step(*args, target=target, **kwargs)`` of a ``torch.distributed.
@@ -253,13 +361,21 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
             ValueError: a bad input on any rank, raised on every rank together: before any
                 ``step()`` at the run's first call, else at the window's boundary (no rank steps).
         """
-        from gradaccum.torch._pipeline import backward_pipeline
+        from gradaccum.torch.pipeline.boundary import step_pipeline_window
+        from gradaccum.torch.pipeline.feed import attach, feed
 
-        if self._entered:
-            refuse_entry("backward_pipeline")
-        self._entered = True
+        self._enter("backward_pipeline")
         try:
-            return backward_pipeline(self, schedule, args, target, n_items, reduction, kwargs)
+            sync = self._sync
+            if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
+                sync = attach(schedule, sync, self._params, self._precision, self._window, self)
+                self._sync, self._boundary = sync, step_pipeline_window
+            nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
+                       self._precision, self.clip_norm, self._check_grads)
+            self._guard.note_passes(sync.n_microbatches)  # a backward per pipeline micro-batch
+            stepped = self._commit(nxt)
+            sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
+            return stepped
         finally:
             self._entered = False
 
@@ -294,7 +410,7 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
         basis = self._window.basis
-        self._holders.discard_others(self)
+        self._holders.discard_others()
         self._sync.discard()
         self._clear(basis)
         self._open_window(basis)
@@ -318,6 +434,83 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         self._window = self._window.resized(n)
         self._sync.prepare(self._window.next_is_last)
 
+    def state_dict(self) -> dict[str, Any]:
+        """All a bit-exact resume in the middle of a window needs (counters, window, partial
+        gradients and losses, the last window's loss); save it beside the model's and optimizer's.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with ``sync="window"``, whose partial gradients
+                live inside FSDP2 (save at ``micro_step == 0``); a window a ``backward_cached``
+                call left partly accumulated (``discard()`` it).
+        """
+        refuse_partial(self._partial, self._window.micro_step)
+        if not self._window.empty:
+            self._sync.check_saveable()
+        state = pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
+                           self.window_loss, self._params, self._precision.state_dict())
+        self._saves.own_saved(self.windows, self.micro_step)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict`, partial gradients included.
+
+        The window resumes at the size it was saved with (the one it opened with: a window
+        carried into a new epoch by :meth:`set_epoch`, or sized by :meth:`resize_window`, keeps
+        it); the next window reads the schedule. Every state :meth:`state_dict` writes loads
+        into an accumulator built the same way.
+
+        Raises:
+            TypeError, ValueError: a field is missing, of the wrong type or out of range (the
+                message names the key), or the state comes from an accumulator with another
+                ``steps`` or other parameters; nothing is changed then.
+            RuntimeError: another live accumulator holds a partial window over these parameters
+                (loading would overwrite its gradients); nothing is changed.
+        """
+        window = check_state(state, self.schedule.describe(), self._params)
+        check_size(window, self.schedule)
+        self._precision.check_state(state.get("accum"))
+        # Loading sets the shared .grad (to None for an empty window): never under another's window.
+        self._holders.refuse_overlap("load a partial window" if not window.empty else
+                                     "load a state with an empty window", "overwrite")
+        restore_grads(self._params, state["grads"])
+        self._partial = None  # every gradient and the window are the state's
+        self._precision.load_state_dict(state.get("accum"))
+        for key in COUNTERS:
+            setattr(self, key, state[key])
+        last = state.get("window_loss")
+        self._last_loss = None if last is None else WindowLoss(((last, 1),), 1)
+        self._window = restore_window(state, window)
+        self._sync.prepare(self._window.next_is_last)
+        self._holders.adopt()
+        self._guard.resume(self._window.micro_step)
+
+    def register_boundary_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after every window is applied (stepped or skipped).
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._hooks.register(hook)
+
+    def register_discard_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
+        """Call ``hook(accumulator)`` after ``discard()`` drops a partial window.
+
+        For state pooled over a window outside the accumulator (a window BatchNorm's statistics),
+        which a discarded window must not leave behind.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._discard_hooks.register(hook)
+
+    # ------------------------------------------------------------------ the window's steps
+    def _enter(self, method: str) -> None:
+        """Refuse ``method`` while another feeding call (or flush) runs; else mark it running (the
+        caller clears the flag when it ends). ``backward`` does the same inline: no call more."""
+        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
+            refuse_entry(method)
+        self._entered = True
+
     def _open_window(self, basis: Any) -> None:
         self._partial = None
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
@@ -336,8 +529,17 @@ class Accumulator(Feeds, SavedWindows, Checkpointing, WindowHooks):
         else:
             if isinstance(self._sync, (PendingSync, PipelineSync)):
                 self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
-            self._holders.check_first(self)
+            self._holders.check_first()
             self._guard.check_first()
+
+    def _check_grads(self, window: Window) -> None:
+        """The guards of :meth:`_before_feed` alone, for a ``backward_pipeline`` call (which records
+        what they raise as a problem of the call, and raises it on every rank together)."""
+        if window.micro_step:
+            self._guard.check(window.micro_step, window.size)
+        else:
+            self._holders.check_first()
+            self._guard.check_first()  # stale gradients, a scheduler stepped outside
 
     def _commit(self, window: Window) -> bool:
         self._window = window

@@ -2,7 +2,9 @@
 
 The strategies import their base (:mod:`gradaccum.torch.distributed.base`), never this module,
 so there is no import circle (the Lightning Fabric shape: a protocol, one module per strategy, a
-selector).
+selector). :class:`PendingSync` is the selector's answer for a plain module under several ranks
+while ``torch.distributed.pipelining`` is imported: it may be a pipeline stage's, which
+``backward_pipeline`` finds out at its first call (``torch/pipeline/``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.torch.distributed.base import GradSync, LocalSync, check_sync_mode
+from gradaccum.torch.distributed.base import GradSync, LocalSync, SyncMode, check_sync_mode
 from gradaccum.torch.distributed.ddp import DDPSync
 from gradaccum.torch.distributed.fsdp import FSDPSync
-from gradaccum.torch.distributed.pipeline import PendingSync
 
-__all__ = ["make_sync"]
+__all__ = ["PendingSync", "make_sync"]
+
+
+class PendingSync(LocalSync):
+    """A plain module under a process group of several ranks while pipelining is imported.
+
+    Until the first micro-batch it is a single process's sync; ``backward_pipeline`` replaces it
+    with a ``PipelineSync`` (``torch/pipeline/sync.py``), and any other feed raises the refusal
+    ``make_sync`` would have raised at construction.
+
+    Args:
+        refusal: the message of that refusal.
+        mode: the accumulator's ``sync``, for the pipeline's data-parallel reduction.
+    """
+
+    def __init__(self, refusal: str, mode: SyncMode = "window") -> None:
+        self.refusal = refusal
+        self.mode = mode
+
+    def refuse_feed(self) -> None:
+        """Raise the refusal: a plain module's micro-batch under a process group of several ranks.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.refusal + "; a pipeline stage's module feeds its window through "
+                         "acc.backward_pipeline(schedule, ...) (docs/PIPELINE.md)")
 
 
 def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
@@ -38,7 +65,7 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
             rank, a model that is neither DDP nor FSDP2 (``None`` included) without
             ``sync="local"``: each rank would normalize by its own item total and drift apart.
             While ``torch.distributed.pipelining`` is imported, such a model may be a pipeline
-            stage's: a :class:`~gradaccum.torch.distributed.pipeline.PendingSync` then defers the
+            stage's: a :class:`PendingSync` then defers the
             refusal to its first micro-batch, unless that comes through ``backward_pipeline``.
 
     Example:

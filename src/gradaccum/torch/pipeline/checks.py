@@ -15,12 +15,12 @@ error together.
   options, and each rank's problems; the last stage tells every rank how the window is weighted.
 * **Later calls**: a problem only one rank can see is recorded, the ``step()`` runs harmlessly
   (a zero loss), and the window's boundary all-reduce carries it: every rank raises there and no
-  rank steps (torch/_pipeline_boundary.py).
+  rank steps (torch/pipeline/boundary.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,12 +167,14 @@ class Call:
         return self.reduction == "sum"
 
 
-def check_call(acc: Any, sync: Any, schedule: Any, target: Any, n_items: Any, reduction: Any,
-               n_mb: int) -> Call:
+def check_call(sync: Any, schedule: Any, target: Any, n_items: Any, reduction: Any, n_mb: int,
+               window: Window, check_grads: Callable[[Window], None]) -> Call:
     """This rank's problems with a ``backward_pipeline`` call (recorded, never raised here).
 
     Args:
-        acc: the accumulator; sync: its PipelineSync; n_mb: the schedule's micro-batches.
+        sync: the accumulator's PipelineSync; n_mb: the schedule's micro-batches; window: the
+            accumulator's window record; check_grads: its gradient guards for a micro-batch of
+            ``window`` (a RuntimeError they raise is recorded as the ``"gradients"`` problem).
     """
     call = Call(sync.has_last, reduction if reduction in ("mean", "sum") else "mean",
                 n_items if sync.has_last else None, target)
@@ -189,17 +191,12 @@ def check_call(acc: Any, sync: Any, schedule: Any, target: Any, n_items: Any, re
     if getattr(sync, "foreign", 0):
         problems["params"] = f"{sync.foreign} of them"
     if sync.has_last:
-        _check_last(call, target, n_items, n_mb, acc._window)
+        _check_last(call, target, n_items, n_mb, window)
     elif n_items is not None:
         problems["n_items_elsewhere"] = f"n_items={_short(n_items)} on a rank holding stage(s) " \
                                         f"{[s.stage_index for s in sync.stages]}"
-    window = acc._window
     try:
-        if window.micro_step:
-            acc._guard.check(window.micro_step, window.size)
-        else:
-            acc._holders.check_first(acc)
-            acc._guard.check_first()  # stale gradients, a scheduler stepped outside
+        check_grads(window)  # stale or edited gradients, a scheduler stepped outside, another window
     except RuntimeError as e:
         problems["gradients"] = str(e)
     return call

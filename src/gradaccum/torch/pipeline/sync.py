@@ -13,11 +13,10 @@ one window spans every pipeline rank (and, with data parallelism, every replica)
   ``step()``'s last backward and FSDP2's reduce-scatter at its end; while a window is open,
   :meth:`PipelineSync.controlled` lets only the window's last ``step()`` reduce (the schedule's
   ``backward_maybe_with_nosync`` and ``perform_reduce_grad`` of each local stage, wrapped for
-  the duration of the call);
-* :class:`PendingSync`: a plain module under a process group of several ranks, while
-  ``torch.distributed.pipelining`` is imported, may be a stage: the refusal ``make_sync`` gives a
-  plain data-parallel module waits for the first micro-batch, which must then come through
-  ``backward_pipeline``.
+  the duration of the call).
+
+A plain module that may be a stage waits in ``distributed/selector.py``'s ``PendingSync`` until
+its first micro-batch.
 """
 
 from __future__ import annotations
@@ -31,39 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from gradaccum.torch._pipeline_checks import Agreed, agreement_vector, read_agreement
-from gradaccum.torch.distributed.base import LocalSync, SyncMode
+from gradaccum.torch.distributed.base import SyncMode
 from gradaccum.torch.distributed.collectives import RankGroups
 from gradaccum.torch.distributed.ddp import DDPSync
 from gradaccum.torch.distributed.fsdp import FSDPSync
+from gradaccum.torch.pipeline.checks import Agreed, agreement_vector, read_agreement
 
-__all__ = ["PendingSync", "PipelineSync", "schedule_stages"]
-
-
-class PendingSync(LocalSync):
-    """A plain module under a process group of several ranks while pipelining is imported.
-
-    Until the first micro-batch it is a single process's sync; ``backward_pipeline`` replaces it
-    with a :class:`PipelineSync`, and any other feed raises the refusal ``make_sync`` would have
-    raised at construction.
-
-    Args:
-        refusal: the message of that refusal.
-        mode: the accumulator's ``sync``, for the pipeline's data-parallel reduction.
-    """
-
-    def __init__(self, refusal: str, mode: SyncMode = "window") -> None:
-        self.refusal = refusal
-        self.mode = mode
-
-    def refuse_feed(self) -> None:
-        """Raise the refusal: a plain module's micro-batch under a process group of several ranks.
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError(self.refusal + "; a pipeline stage's module feeds its window through "
-                         "acc.backward_pipeline(schedule, ...) (docs/PIPELINE.md)")
+__all__ = ["PipelineSync", "schedule_stages"]
 
 
 def schedule_stages(schedule: Any) -> list[Any]:
@@ -135,7 +108,7 @@ class PipelineSync:
         self.rank = dist.get_rank()
         self.reduce_next = False
         self.agreed: Any = None  # (schedule, window record) the last call left: no agreement needed
-        self.weights: Any = None  # the agreed run facts (torch/_pipeline.py's Agreement)
+        self.weights: Any = None  # the agreed run facts (torch/pipeline/feed.py's Agreement)
         self.poison: list[str] = []  # this window's deferred problems on this rank
         self.n_microbatches = 1  # the schedule's, set by each call
         self.next_size: Callable[[], int] = lambda: 0  # the next window's size (the accumulator's steps)
@@ -188,7 +161,7 @@ class PipelineSync:
 
     def reduce_window(self, loss_sum: Any, items: Any,
                       sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
-        """Not used: the pipeline's boundary reduces its own vector (torch/_pipeline_boundary.py)."""
+        """Not used: the pipeline's boundary reduces its own vector (torch/pipeline/boundary.py)."""
         raise NotImplementedError
 
     def agree_count(self, count: Any) -> Any:
@@ -221,7 +194,7 @@ class PipelineSync:
     # ------------------------------------------------------------------ the pipeline's own
     def agree(self, pairs: Sequence[float], last: Sequence[float], problems: dict[str, str]) -> Agreed:
         """One MAX all-reduce of every rank's :func:`agreement_vector`; raise on every rank if the
-        ranks disagree or one recorded a problem (torch/_pipeline_checks.py)."""
+        ranks disagree or one recorded a problem (torch/pipeline/checks.py)."""
         values = agreement_vector(pairs, last, list(problems), self.rank)
         vec = torch.tensor(values, dtype=torch.float64, device=self.ranks.device)
         self.all_reduce(vec, dist.ReduceOp.MAX)

@@ -5,7 +5,7 @@ micro-batches, so accumulating micro-batch losses changes the objective. :class:
 gives the exact gradient of the whole batch's loss while one chunk's graph is alive:
 
 1. *First pass*, without grad: ``encode`` every chunk, saving the RNG state before each; the
-   normalization layers' running statistics are put back afterwards (:mod:`._replay`).
+   normalization layers' running statistics are put back afterwards (:mod:`.replay`).
 2. *The loss*, once: the outputs, concatenated (under data parallel: gathered from every rank in
    rank order), become leaves that require grad; ``loss_fn`` runs on them and is backpropagated
    from the seed ``backward`` would give it (its weight in the window, scaled by a GradScaler
@@ -18,7 +18,7 @@ The call adds into the window's ``.grad`` in place, as ``backward`` does: it hol
 of gradients. It is all-or-nothing up to the second pass's first backward: an exception before it
 (``encode`` in either pass, a check, ``loss_fn``, the first chunk's forward) leaves the gradients,
 the running statistics, the RNG state and the window as they were (the gradient of ``loss_fn``'s
-own parameters is held out of ``.grad`` until the last chunk: :mod:`._cached_grads`). After it, the
+own parameters is held out of ``.grad`` until the last chunk: :mod:`.grads`). After it, the
 running statistics and the RNG are put back and the gradients that did not exist before the call
 are set back to None; on a window's first micro-batch that is all of them, so nothing is left.
 Later in a window, the gradients held before the call have been added into: the call reports the
@@ -47,14 +47,14 @@ import torch
 from torch import nn
 
 from gradaccum.core.window import Window
-from gradaccum.torch._cached_grads import GradsBefore, LossGrads, loss_params, put_back
 from gradaccum.torch._grads import grads_used_anywhere
-from gradaccum.torch._loss_ranks import ranks_running_loss
 from gradaccum.torch._precision import Precision, seeded_backward
-from gradaccum.torch._replay import NormStats, RngStates, untracked_batchnorm
-from gradaccum.torch._reps import Layout, check_second, expected_rows, gradient_slices, representations
 from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
+from gradaccum.torch.cached.grads import GradsBefore, LossGrads, loss_params, put_back
+from gradaccum.torch.cached.loss_ranks import ranks_running_loss
+from gradaccum.torch.cached.replay import NormStats, RngStates, untracked_batchnorm
+from gradaccum.torch.cached.reps import Layout, check_second, expected_rows, gradient_slices, representations
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
 from gradaccum.torch.distributed.ddp import arm_backward, needs_hook_of
 

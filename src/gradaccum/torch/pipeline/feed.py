@@ -16,26 +16,32 @@ times a GradScaler's scale, where ``P`` is the window's provisional total (core/
 of two near ``N`` times the count per call, or 1 where no gradient can overflow). Every stage's
 gradient comes from these seeds; at the boundary every stage is corrected by ``P / T``, ``T`` the
 window's true total over every call and data-parallel rank, which the one boundary all-reduce
-brings to every rank (torch/_pipeline_boundary.py). The ranks' agreement and the deferral of a
-problem only one rank sees: torch/_pipeline_checks.py.
+brings to every rank (torch/pipeline/boundary.py). The ranks' agreement and the deferral of a
+problem only one rank sees: torch/pipeline/checks.py.
+
+The accumulator calls :func:`attach` at its first ``backward_pipeline`` (its sync becomes a
+:class:`PipelineSync`, its boundary ``step_pipeline_window``), then :func:`feed` with its window
+record and parts on every call, and commits the window :func:`feed` returns.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from gradaccum.core.window import Window
-from gradaccum.torch._pipeline_boundary import step_pipeline_window
-from gradaccum.torch._pipeline_checks import CALL, FLUSH, Agreed, Call, check_call
+from gradaccum.torch._precision import Precision
 from gradaccum.torch._weights import wide_count
-from gradaccum.torch.distributed.pipeline import PipelineSync, schedule_stages
+from gradaccum.torch.distributed.base import GradSync
+from gradaccum.torch.pipeline.checks import CALL, FLUSH, Agreed, Call, check_call
+from gradaccum.torch.pipeline.sync import PipelineSync, schedule_stages
 
-__all__ = ["backward_pipeline", "pow2_total"]
+__all__ = ["attach", "feed", "pow2_total"]
 
 
 def pow2_total(count: float, size: int) -> float:
@@ -52,28 +58,37 @@ def pow2_total(count: float, size: int) -> float:
     return math.ldexp(1.0, math.frexp(x)[1])
 
 
-def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: Any, n_items: Any,
-                      reduction: Any, kwargs: dict[str, Any]) -> bool:
-    """Run ``schedule.step(*args, target=target, **kwargs)`` as one micro-batch of ``acc``'s window
-    (``Accumulator.backward_pipeline`` documents the contract)."""
-    sync = _attach(acc, schedule)
-    window: Window = acc._window
+def feed(sync: PipelineSync, schedule: Any, args: tuple[Any, ...], target: Any, n_items: Any,
+         reduction: Any, kwargs: dict[str, Any], window: Window, precision: Precision,
+         clip_norm: float | None, check_grads: Callable[[Window], None]) -> Window:
+    """Run ``schedule.step(*args, target=target, **kwargs)`` as one micro-batch of ``window``
+    (``Accumulator.backward_pipeline`` documents the contract); return the window after it, for
+    the accumulator to commit.
+
+    Args:
+        sync: the accumulator's :class:`PipelineSync` (:func:`attach`).
+        window: the accumulator's window record; precision: its mixed-precision part;
+            clip_norm: its ``clip_norm``.
+        check_grads: the accumulator's gradient guards for a micro-batch of ``window`` (raises
+            RuntimeError; recorded here as a problem of the call, not raised alone).
+    """
     n_mb = sync.n_microbatches = int(schedule._n_microbatches)
-    call = check_call(acc, sync, schedule, target, n_items, reduction, n_mb)
+    call = check_call(sync, schedule, target, n_items, reduction, n_mb, window, check_grads)
     agreed = sync.agreed  # the schedule and window record the last call left (identity, not value)
     if sync.every_call or agreed is None or agreed[0] is not schedule or agreed[1] is not window:
         if agreed is not None and agreed[1] is not window:
             sync.poison = []  # the window was replaced (load_state_dict): its problems went with it
-        sync.weights = _agree(acc, sync, call, n_mb)
+        sync.weights = _agree(sync, call, _pairs(CALL, window.size, window.micro_step, n_mb, sync,
+                                                  precision, clip_norm), precision)
     elif call.problems:
         sync.poison += [f"{code}: {detail}" for code, detail in call.problems.items()]
     weights: Agreed = sync.weights
     scale = window.scale if window.micro_step else (
         pow2_total(window.basis or weights.first_count or 1, window.size) if weights.use_scale else None)
     losses = kwargs.get("losses")
-    collect = acc._precision.collect if acc._precision.buffers is not None else None
+    collect = precision.collect if precision.buffers is not None else None
     try:
-        with sync.controlled(collect), _weighted(acc, schedule, call, scale, window.size * n_mb):
+        with sync.controlled(collect), _weighted(precision, schedule, call, scale, window.size * n_mb):
             schedule.step(*args, target=target if target is not None or not call.last else _dummy(n_mb),
                           **kwargs)
     except BaseException:
@@ -81,32 +96,40 @@ def backward_pipeline(acc: Any, schedule: Any, args: tuple[Any, ...], target: An
         raise
     if isinstance(losses, list):  # the schedule's own list: the losses as loss_fn returned them
         losses[:] = call.raw
-    nxt = _advance(window, call, scale)
-    acc._guard.note_passes(n_mb)  # each pipeline micro-batch's backward adds into .grad
-    stepped: bool = acc._commit(nxt)
-    sync.agreed = (schedule, acc._window)
-    return stepped
+    return _advance(window, call, scale)
 
 
-def _attach(acc: Any, schedule: Any) -> PipelineSync:
-    """The accumulator's :class:`PipelineSync`, made from ``schedule`` at the first call."""
-    sync = acc._sync
-    if isinstance(sync, PipelineSync):
-        return sync
+def attach(schedule: Any, sync: GradSync, params: list[torch.Tensor], precision: Precision,
+           window: Window, acc: Any) -> PipelineSync:
+    """The :class:`PipelineSync` that replaces an accumulator's ``sync`` at its first
+    ``backward_pipeline`` call, made from ``schedule``.
+
+    Args:
+        sync: the accumulator's sync until now (its mode is kept).
+        params: the optimizer's parameters; precision: the accumulator's mixed-precision part;
+            window: its window record.
+        acc: the accumulator, held weakly: its public ``schedule``, ``epoch``, ``optimizer_steps``
+            (the next window's size), ``steps``, ``micro_step`` and ``clip_norm`` (what a
+            ``flush()`` agrees on) are read when needed.
+
+    Raises:
+        TypeError: ``schedule`` is no ``torch.distributed.pipelining`` schedule.
+        RuntimeError: this torch's schedules lack the internals the feed wraps.
+    """
     stages = schedule_stages(schedule)
     if not hasattr(schedule, "_compute_loss") or not hasattr(schedule, "_n_microbatches"):
         raise RuntimeError(f"backward_pipeline needs torch.distributed.pipelining's schedule internals "
                            f"(_compute_loss, _n_microbatches), which torch {torch.__version__} lacks")
-    device = acc._params[0].device if acc._params else torch.device(stages[0].device)
+    device = params[0].device if params else torch.device(stages[0].device)
     new = PipelineSync(stages, getattr(sync, "mode", "window"), device)
-    new.wide_buffers = acc._precision.buffers is not None and new.world_size > 1
+    new.wide_buffers = precision.buffers is not None and new.world_size > 1
     for dp in new.dp:
         if hasattr(dp.module, "require_backward_grad_sync"):
             # DDP: the stage arms the all-reduce of a step()'s last backward itself; off, DDP's own
             # forward arms nothing (the schedule's first step() infers its metadata through it).
             dp.module.require_backward_grad_sync = False
     owned = {id(p) for s in stages for p in s.submod.parameters()}
-    new.foreign = sum(id(p) not in owned for p in acc._params)
+    new.foreign = sum(id(p) not in owned for p in params)
     ref = weakref.ref(acc)
 
     def next_size() -> int:
@@ -115,33 +138,35 @@ def _attach(acc: Any, schedule: Any) -> PipelineSync:
             return 0
         return int(a.schedule(a.epoch if a.schedule.by == "epoch" else a.optimizer_steps + 1))
 
+    def flush_pairs() -> list[float]:
+        a: Any = ref()  # alive: this is its flush()
+        return _pairs(FLUSH, a.steps, a.micro_step, new.n_microbatches, new, precision, a.clip_norm)
+
     new.next_size = next_size
-    new.flush_pairs = lambda: _pairs(ref(), new, FLUSH, new.n_microbatches)
-    if acc._precision.scaler is not None and acc._precision.scaler.is_enabled():
-        acc._precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
-    acc._sync = new
-    acc._boundary = step_pipeline_window
-    new.prepare(acc._window.next_is_last)
+    new.flush_pairs = flush_pairs
+    if precision.scaler is not None and precision.scaler.is_enabled():
+        precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
+    new.prepare(window.next_is_last)
     return new
 
 
-def _agree(acc: Any, sync: PipelineSync, call: Call, n_mb: int) -> Agreed:
+def _agree(sync: PipelineSync, call: Call, pairs: list[float], precision: Precision) -> Agreed:
     """The MAX all-reduce before a ``step()`` (the run's first call, after a restore, or every call
     with ``PipelineSync.every_call``)."""
     first = 0.0 if sync.weights is None else sync.weights.first_count
-    overflow_prone = acc._precision.overflow_prone
+    overflow_prone = precision.overflow_prone
     if sync.weights is None and call.last and call.items and not call.problems and overflow_prone:
         first = _host_count(_first_count(call))
     last = [sync.has_last, call.last and call.items, call.last and call.summed, first,
-            acc._precision.overflow_prone, bool(sync.poison)]
-    return sync.agree(_pairs(acc, sync, CALL, n_mb), last, call.problems)
+            precision.overflow_prone, bool(sync.poison)]
+    return sync.agree(pairs, last, call.problems)
 
 
-def _pairs(acc: Any, sync: PipelineSync, operation: int, n_mb: int) -> list[float]:
-    """What every rank must hold alike (torch/_pipeline_checks.py's pairs), in their order."""
-    window, precision = acc._window, acc._precision
-    return [operation, window.size, window.micro_step, n_mb, sync.n_stages, precision.scaler is not None,
-            -1.0 if acc.clip_norm is None else acc.clip_norm, precision.skip_nonfinite]
+def _pairs(operation: int, size: int, micro_step: int, n_mb: int, sync: PipelineSync, precision: Precision,
+           clip_norm: float | None) -> list[float]:
+    """What every rank must hold alike (torch/pipeline/checks.py's pairs), in their order."""
+    return [operation, size, micro_step, n_mb, sync.n_stages, precision.scaler is not None,
+            -1.0 if clip_norm is None else clip_norm, precision.skip_nonfinite]
 
 
 def _first_count(call: Call) -> Any:
@@ -158,9 +183,9 @@ def _host_count(n: Any) -> float:
 class _weighted:
     """For one ``step()``: the schedule's ``_compute_loss`` weighs each micro-batch's loss."""
 
-    def __init__(self, acc: Any, schedule: Any, call: Call, scale: Any, micro_batches: int) -> None:
+    def __init__(self, precision: Precision, schedule: Any, call: Call, scale: Any,
+                 micro_batches: int) -> None:
         self.schedule, self.call = schedule, call
-        precision = acc._precision
         active = precision.scaler is not None and precision.scaler.is_enabled()
         self.scaled = precision.scale if active else None
         self.inv = None if scale is None else 1.0 / scale

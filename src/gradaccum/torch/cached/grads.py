@@ -16,7 +16,9 @@ that costs nothing:
   refuses to go on until ``discard()``).
 
 :func:`put_back` does both after an exception, and under FSDP2 drops the unsharded gradients it
-holds for its next reduction when they are the call's own.
+holds for its next reduction when they are the call's own. A window left partly accumulated is
+named by :func:`partial_cause` (what the call raised), and :func:`refuse_partial` is the
+accumulator's refusal to feed, flush or save it until ``discard()``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradsBefore", "LossGrads", "loss_params", "put_back"]
+__all__ = ["GradsBefore", "LossGrads", "loss_params", "partial_cause", "put_back", "refuse_partial"]
 
 
 def _version(g: torch.Tensor) -> int:
@@ -145,3 +147,24 @@ def _grads_outside(sync: Any) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def partial_cause(error: BaseException) -> str:
+    """What a ``backward_cached`` call that left the window partly accumulated raised, in short."""
+    text = str(error)
+    return f"{type(error).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+
+
+def refuse_partial(cause: str | None, micro_step: int) -> None:
+    """Raise if a ``backward_cached`` call left the window partly accumulated (``cause``: what it
+    raised; None: the window is whole).
+
+    Raises:
+        RuntimeError: naming ``discard()``, the one way on.
+    """
+    if cause is not None:
+        raise RuntimeError(
+            f"this window is partly accumulated: a backward_cached call raised ({cause}) after its "
+            f"second pass had added part of its batch's gradient into the gradients of the window's "
+            f"{micro_step} earlier micro-batch(es). Call acc.discard() to drop the window (its "
+            "gradients are lost); then feed the next batch")

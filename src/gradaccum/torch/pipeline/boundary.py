@@ -19,7 +19,7 @@ slot  what each rank adds
       times the value, and only equal values give both sums)
 9-10  the size of the next window and its square (the ranks' ``steps`` schedules agree)
 11    the loss's dtype (last stages), so ``window_loss`` is the same on every rank
-12-   for each problem of torch/_pipeline_checks.py, 1 when this rank recorded it in the window
+12-   for each problem of torch/pipeline/checks.py, 1 when this rank recorded it in the window
 ====  ===========================================================================================
 
 From the reduced vector every rank computes the same factor (``P * D / T``, ``D`` the replicas;
@@ -38,10 +38,10 @@ from torch.nn.utils import get_total_norm
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome
 from gradaccum.torch._grads import scale_grads_
-from gradaccum.torch._pipeline_checks import PROBLEMS, describe
-from gradaccum.torch._precision import Precision
+from gradaccum.torch._precision import Precision, active_scaler
 from gradaccum.torch._window_loss import WindowLoss, weighted_sum
-from gradaccum.torch.distributed.pipeline import PipelineSync
+from gradaccum.torch.pipeline.checks import PROBLEMS, describe
+from gradaccum.torch.pipeline.sync import PipelineSync
 
 __all__ = ["step_pipeline_window"]
 
@@ -98,7 +98,7 @@ def _vector(window: Window, sync: PipelineSync, precision: Precision, grads: lis
     items = last and window.weighting == "items"
     loss_sum = weighted_sum(window.losses) if last else None
     nonfinite = 0.0
-    scaler = precision._scaler
+    scaler = active_scaler(precision.scaler)
     if scaler is not None and grads:
         found = scaler._found_inf_per_device(precision.optimizer)
         nonfinite = float(any(bool(v.item()) for v in found.values()))
@@ -152,7 +152,7 @@ def _check(got: list[float], window: Window, sync: PipelineSync) -> None:
 def _skip_everywhere(precision: Precision) -> None:
     """A rank's gradients are not finite: make this rank skip too (its GradScaler backs off as
     the others do), or, without one, let ``skip_nonfinite`` see a non-finite norm."""
-    scaler = precision._scaler
+    scaler = active_scaler(precision.scaler)
     if scaler is None:
         return
     record = scaler._per_optimizer_states[id(precision.optimizer)]["found_inf_per_device"]
