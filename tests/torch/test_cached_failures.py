@@ -215,6 +215,22 @@ def test_later_in_a_window_a_failure_leaves_it_partly_accumulated_and_refused_un
     assert not feed(acc, model, gradaccum.chunks(pairs(N), BATCH))  # the next window runs
 
 
+def test_after_discard_a_call_refused_by_its_input_checks_leaves_the_window_whole():
+    # A call that fails before anything runs (encode not callable, empty chunks) must not carry
+    # over the "partly accumulated" mark of an earlier, discarded window.
+    model = Towers(dropout=0.3, batchnorm=True)
+    acc = mid_window(model)
+    with pytest.raises(RuntimeError):
+        acc.backward_cached(Counting(model, {4}, _raise), loss_of(model), gradaccum.chunks(pairs(N), BATCH))
+    acc.discard()
+    for bad in ((None, loss_of(model), gradaccum.chunks(pairs(N), BATCH)),
+                (lambda c: model(*c), loss_of(model), [])):
+        with pytest.raises((TypeError, ValueError)):
+            acc.backward_cached(*bad)
+        assert acc.micro_step == 0
+    assert not feed(acc, model, gradaccum.chunks(pairs(N), BATCH))  # not refused as partial
+
+
 def test_after_a_discarded_window_the_next_one_is_exact():
     base = Towers(dropout=0.3)
     model = copy.deepcopy(base)

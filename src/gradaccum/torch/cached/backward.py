@@ -133,6 +133,7 @@ class CachedBackward:
                 whatever ``encode`` or ``loss_fn`` raises. Each with everything as it was, unless
                 :attr:`partial` is then True.
         """
+        self.partial = self._began = False  # this call's own; an earlier call's mark is gone
         for name, fn in (("encode", encode), ("loss_fn", loss_fn)):
             if not callable(fn):
                 raise TypeError(f"{name} must be callable, got a {type(fn).__name__}: pass a function, "
@@ -143,7 +144,6 @@ class CachedBackward:
         items = _listed(chunks)
         self._agree_on_chunks(len(items))
         start, norms, before = RngStates.capture(), NormStats(self.model), GradsBefore(self.params)
-        self.partial = self._began = False
         loss_grads: LossGrads | None = None
         try:
             states, results = [], []
