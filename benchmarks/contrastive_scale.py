@@ -33,7 +33,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.measure import interleaved, step_grads
 from gradaccum.bench.results_file import write_results
 from gradaccum.bench.towers import clip_loss as dense_clip
+from gradaccum.torch.check.spawn import free_port
 
 MIB, GIB = 2**20, 2**30
 SIZES = ScaleSizes()
@@ -171,12 +171,6 @@ def child(spec: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(spec: dict[str, Any], world: int = 0) -> dict[str, Any]:
     """Run ``spec`` in a fresh process (``world`` > 0: as that many gloo ranks); its result."""
     command = [sys.executable, __file__, "--child", json.dumps(spec)]
@@ -186,7 +180,7 @@ def launch(spec: dict[str, Any], world: int = 0) -> dict[str, Any]:
         out = subprocess.run(command, env=env, capture_output=True, text=True)
         outputs = [out]
     else:
-        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
                 "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradaccum
 from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.results_file import write_results
+from gradaccum.torch.check.spawn import free_port
 from gradaccum.torch.distributed.collectives import RankGroups
 
 MODES = ("window", "micro_batch")
@@ -162,9 +162,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the table and the machine here")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args, port), nprocs=args.world)
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 import gradaccum
 from gradaccum.bench.machine import describe_machine
+from gradaccum.torch.check.spawn import free_port
 
 MODES = ("window", "micro_batch")
 MIB = 2**20
@@ -102,9 +102,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     rows = []
     for mode in MODES:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         out = ctx.SimpleQueue()
         mp.spawn(worker, args=(args, mode, port, out), nprocs=args.world)
         got = sorted(out.get() for _ in range(args.world))

@@ -40,9 +40,9 @@ def measure(case: str, width: int) -> dict[str, int]:
     import mindspore as ms
     import numpy as np
     from mindspore import Tensor, nn
+    from mindspore_reference import TutorialAccumulator, owned_bytes
 
     from gradaccum.mindspore import Accumulator
-    from mindspore_reference import TutorialAccumulator, owned_bytes
 
     ms.set_device("CPU")
     model = nn.SequentialCell(nn.Flatten(), nn.Dense(784, width), nn.ReLU(), nn.Dense(width, width),

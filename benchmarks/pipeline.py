@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -46,6 +45,7 @@ from gradaccum.bench.pipeline import (
 )
 from gradaccum.bench.pipeline import window_batches as batches_of
 from gradaccum.bench.results_file import write_results
+from gradaccum.torch.check.spawn import free_port
 
 TIMED = ("hand", "gradaccum", "gradaccum checked")
 BUG_CLIP = 0.05  # below the reference's gradient norms: clipping acts in every window
@@ -195,9 +195,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the tables and the machine here")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args, port), nprocs=2)
 
 

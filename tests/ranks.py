@@ -24,7 +24,6 @@ import importlib.util
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,16 +34,12 @@ from typing import Any, NoReturn
 import torch
 
 import gradaccum
+from gradaccum.torch.check.spawn import free_port  # the tests import it from here too
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 30.0  # once a rank has failed, how long the others get to finish before they are killed
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it; never a fixed one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def environment() -> dict[str, str]:

@@ -2,8 +2,8 @@
 
 May import: gradaccum.core
 
-``accumulator.py`` holds the :class:`Accumulator`: the window's state and every public method (the hot path). Its
-parts sit beside it as private modules, each told only what it needs: the boundary
+``accumulator.py`` holds the :class:`Accumulator`: the window's state and every public method (the
+hot path). Its parts sit beside it as private modules, each told only what it needs: the boundary
 (``_boundary.py``), the backward weights (``_weights.py``, ``_terms.py``), mixed precision
 (``_precision.py``, ``_accum_buffers.py``), the gradient passes and the window loss (``_grads.py``,
 ``_window_loss.py``), the guards (``_guards.py``, ``_window_grads.py``, ``_holders.py``,

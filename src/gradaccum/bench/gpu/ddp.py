@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -24,17 +23,12 @@ import torch
 
 from gradaccum.bench.gpu.check import Context, Outcome
 from gradaccum.bench.gpu.ddp_rank import STEPS, WINDOWS, rank_main
+from gradaccum.torch.check.spawn import free_port
 
 __all__ = ["launch", "run"]
 
 WORLD = 2
 TOLERANCE = 1e-12
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(out: Path, device: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -50,7 +44,7 @@ def launch(out: Path, device: str, timeout_s: float) -> list[dict[str, Any]]:
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise RuntimeError("the DDP check must fork its ranks before this process uses CUDA")
     context = multiprocessing.get_context("fork")
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=rank_main, args=(out, device, rank, WORLD, port), name=f"rank{rank}")
              for rank in range(WORLD)]
     for p in procs:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankError", "run_on_ranks"]
+__all__ = ["RankError", "free_port", "run_on_ranks"]
 
 RankFn = Callable[[int, int, Any], Any]
 GRACE_S = 20.0  # once a rank failed, how long the others get before they are killed
@@ -59,7 +59,9 @@ def check_picklable(what: str, value: Any) -> None:
                         f"{err}") from None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a process group's rendezvous (the
+    OS picks it; never a fixed one, so that runs side by side do not collide)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -127,7 +129,7 @@ def run_on_ranks(fn: RankFn, payload: Any, world_size: int, *, timeout: float = 
             raise TypeError(f"the ranks' inputs must be picklable (define functions and classes at "
                             f"a module's top level, not as lambdas or inside a function): {err}") from None
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, folder, timeout),
                              daemon=True) for r in range(world_size)]
         try:
