@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gradaccum
 from tests.contrastive import Towers, clip_loss, pairs
@@ -344,6 +345,70 @@ def test_backward_cached_windows_with_a_learnable_temperature_are_not_taken_for_
     acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=8), 5))
     with pytest.raises(RuntimeError, match=r"gradient of parameter 'text\.2\.bias' was changed in place"):
         acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=9), 5))
+
+
+class Reentrant(nn.Module):
+    """A layer applied twice, each time in a reentrant checkpoint: its parameters take two
+    additions per backward pass (a nested backward per segment)."""
+
+    def __init__(self, reentrant: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(6, 6).double()
+        self.out = nn.Linear(6, 3).double()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        def seg(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.shared(t))
+        if self.reentrant:
+            x = x.requires_grad_()  # a reentrant checkpoint needs an input that requires grad
+            h = checkpoint(seg, checkpoint(seg, x, use_reentrant=True), use_reentrant=True)
+        else:
+            h = seg(seg(x))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("feed", ["backward", "micro_batch"])
+def test_reentrant_checkpointing_of_a_shared_layer_is_not_taken_for_an_edit(feed):
+    # Refused in the first window before ("changed in place"): 0.3.0 ran it, exact.
+    model, twin = Reentrant(), Reentrant(reentrant=False)
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
+    tacc = gradaccum.Accumulator(torch.optim.SGD(twin.parameters(), lr=LR), 4, model=twin)
+    x, y = data(48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m, a in ((model, acc), (twin, tacc)):
+            run_window(feed, m, a, zip(x.split(4), y.split(4), strict=True))
+    assert acc.optimizer_steps == 3
+    assert_params_close(model, twin, torch.float64)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # counted in each
+    # window's first micro-batch only
+    assert all(not p._post_accumulate_grad_hooks for p in twin.parameters())
+
+
+def test_an_edit_of_a_gradient_added_into_twice_per_pass_is_still_refused():
+    model = Reentrant()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
+    x, y = data(16)
+    for xb, yb in zip(x[:12].split(4), y[:12].split(4), strict=True):
+        acc.backward(ce(model, xb, yb))
+        if acc.micro_step == 2:
+            model.shared.bias.grad.mul_(2)  # (not the probe) one version beyond two passes of two additions
+    with pytest.raises(RuntimeError, match=r"^the gradient of parameter 'shared\.bias' was changed in place"):
+        acc.backward(ce(model, x[12:], y[12:]))
+
+
+def test_a_plain_model_is_counted_once_then_never_again():
+    model = Net()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
+    x, y = data(8)
+    hooks = []
+    for xb, yb in zip(x.split(2), y.split(2), strict=True):
+        with acc.micro_batch() as mb:
+            hooks.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()))
+            mb.backward(ce(model, xb, yb))
+    assert hooks == [6, 0, 0, 0]  # the first window's first micro-batch: one hook per parameter
 
 
 def test_accum_dtype_buffers_are_not_checked_and_not_taken_for_an_edit():

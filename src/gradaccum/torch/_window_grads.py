@@ -30,11 +30,19 @@ changed outside the accumulator before its end.
   recorded, and not checked. An edit within the passes a parameter skipped (one unused in some
   micro-batches) goes unseen. Cost: two passes over the parameters per window, reading attributes
   (no kernel).
+* **Passes that add more than once.** Reentrant activation checkpointing
+  (``checkpoint(..., use_reentrant=True)``) runs a nested backward per checkpointed segment, so a
+  parameter used in k segments (a shared layer, tied weights) takes k additions per pass. The
+  first window's first micro-batch counts each parameter's additions
+  (``register_post_accumulate_grad_hook``, removed after it): a parameter added into more often
+  than the passes allow gets that many versions per pass, and the count is taken again at every
+  later window's first micro-batch (the largest kept). Where no parameter does, it is never
+  counted again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +68,11 @@ class WindowGrads:
         self._at = 0  # micro-batches fed when the record was taken
         self._extra = 0  # backward passes beyond one per micro-batch since then
         self._more: dict[int, int] = {}  # id(parameter) -> passes into it beyond those
+        self._learn = True  # count additions per pass at the next window's first micro-batch
+        self._per_pass: dict[int, int] = {}  # parameter index -> additions per pass, when > 1
+        self._counts: list[int] | None = None  # additions counted in this first micro-batch
+        self._handles: list[Any] = []
+        self._first: tuple[int, Sequence[torch.Tensor]] = (1, ())  # passes of the first micro-batch
 
     def check_clean(self) -> None:
         """At a window's first micro-batch, before its backward: no nonzero gradient is there.
@@ -80,26 +93,67 @@ class WindowGrads:
                     "half-way) would be added into this window. Call optimizer.zero_grad("
                     "set_to_none=True) before the loop (acc.discard() after a micro-batch that "
                     "raised); nothing has changed")
+        if self._learn:
+            self._count_additions()
+
+    def _count_additions(self) -> None:
+        """Count every parameter's additions into ``.grad`` during the first micro-batch."""
+        self._stop_counting()
+        counts = self._counts = [0] * len(self._params)
+
+        def added(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(_: torch.Tensor) -> None:
+                counts[i] += 1
+            return hook
+
+        self._handles = [p.register_post_accumulate_grad_hook(added(i))  # type: ignore[no-untyped-call]
+                         for i, p in enumerate(self._params) if p.requires_grad and p.is_leaf]
+
+    def _stop_counting(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def record(self, fed: int) -> None:
         """After the window's first micro-batch (``fed`` micro-batches in it, more after a load):
-        keep every parameter's gradient tensor and its version."""
+        keep every parameter's gradient tensor and its version (and what was counted)."""
+        self._stop_counting()
+        counts, self._counts = self._counts, None
+        if counts is not None:
+            self._learn_per_pass(counts)
+        self._first = (1, ())
         self._record = [None if (g := p.grad) is None else (g, g._version) for p in self._params]
         self._at = fed
         self._extra = 0
         self._more = {}
 
+    def _learn_per_pass(self, counts: list[int]) -> None:
+        """Keep, for each parameter added into more often than the first micro-batch's passes,
+        its additions per pass (the largest seen); none such: never count again."""
+        passes, more = self._first
+        extra = {id(p) for p in more}
+        for i, (p, n) in enumerate(zip(self._params, counts, strict=True)):
+            allowed = passes + (id(p) in extra)
+            if n > allowed:
+                self._per_pass[i] = max(self._per_pass.get(i, 1), -(-n // allowed))
+        self._learn = bool(self._per_pass)
+
     def add_passes(self, passes: int, more: Sequence[torch.Tensor] = ()) -> None:
         """A micro-batch ran ``passes`` backward passes (``micro_batch``, ``backward_cached``), and
         one more into each parameter of ``more`` (``loss_fn``'s, in ``backward_cached``)."""
-        if self._record is not None:
-            self._extra += passes - 1
-            for p in more:
-                self._more[id(p)] = self._more.get(id(p), 0) + 1
+        if self._record is None:
+            self._first = (passes, more)  # the window's first: what its additions are counted against
+            return
+        self._extra += passes - 1
+        for p in more:
+            self._more[id(p)] = self._more.get(id(p), 0) + 1
 
     def forget(self) -> None:
-        """The window closed, was dropped or reloaded: no record."""
+        """The window closed, was dropped or reloaded: no record (and no count running)."""
         self._record = None
+        self._stop_counting()
+        self._counts = None
+        self._first = (1, ())
 
     def check(self, fed: int, steps: int) -> None:
         """Before the window's last micro-batch (or a flush), ``fed`` micro-batches in: every
@@ -114,9 +168,9 @@ class WindowGrads:
             return
         passes = fed - self._at + self._extra
         if self._exact:
-            for p, was in zip(self._params, record, strict=True):
+            for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
                 if was is not None and ((g := p.grad) is not was[0]
-                                        or not 0 <= g._version - was[1] <= passes + self._bonus(p)):
+                                        or not 0 <= g._version - was[1] <= self._allowed(i, passes)):
                     self._refuse(record, passes, fed, steps)
         elif any(was is not None and p.grad is None for p, was in zip(self._params, record, strict=True)):
             self._refuse(record, passes, fed, steps)
@@ -130,7 +184,7 @@ class WindowGrads:
                 continue
             g = p.grad
             if g is was[0]:
-                if not self._exact or 0 <= g._version - was[1] <= passes + self._bonus(p):
+                if not self._exact or 0 <= g._version - was[1] <= self._allowed(i, passes):
                     continue
                 what = "changed in place"
             elif g is None:
@@ -146,9 +200,11 @@ class WindowGrads:
                 "clips and steps once per window, when acc.backward() completes it: remove that "
                 "code, then acc.discard() this window (its gradients are lost)")
 
-    def _bonus(self, p: torch.Tensor) -> int:
-        """Passes into ``p`` beyond the window's count (``loss_fn``'s parameters)."""
-        return self._more.get(id(p), 0) if self._more else 0
+    def _allowed(self, i: int, passes: int) -> int:
+        """The versions parameter ``i``'s gradient may have advanced: the window's passes and
+        those into it beyond (``loss_fn``'s parameters), times its additions per pass."""
+        bonus = self._more.get(id(self._params[i]), 0) if self._more else 0
+        return (passes + bonus) * self._per_pass.get(i, 1)
 
     def _name(self, i: int) -> str:
         """``parameter 'fc.bias'`` when ``model=`` names it, else its index in the optimizer."""
