@@ -322,6 +322,36 @@ def bad_inputs(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def guard_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """A guard that fires on one rank only (a gradient edited, a scheduler stepped outside the
+    accumulator): every rank raises at the window's boundary, none waits in a collective, and the
+    next window trains."""
+    out: dict[str, Any] = {}
+    batches = window_batches(0, STEPS, 1, SEQS)[0]
+
+    def run(pipe: Pipe, between: Callable[[], Any], end: str = "feed") -> dict[str, Any]:
+        calls: list[Callable[[], Any]] = [lambda: pipe.feed(*batches[0]), between,
+                                          lambda: pipe.feed(*batches[1])]
+        calls.append(pipe.acc.flush if end == "flush" else lambda: pipe.feed(*batches[2]))
+        got = attempt(pipe, calls)
+        got["next"] = attempt(pipe, [lambda i=i: pipe.feed(*batches[i]) for i in range(STEPS)])
+        return got
+
+    def edit(pipe: Pipe) -> Callable[[], None]:
+        def on_rank_1() -> None:  # not the probe (the first parameter): the whole-window check
+            if rank == 1:
+                list(pipe.model.parameters())[-1].grad.mul_(2)
+        return on_rank_1
+
+    pipe = Pipe(world)
+    out["edited"] = run(pipe, edit(pipe))
+    pipe = Pipe(world)
+    out["edited_flush"] = run(pipe, edit(pipe), end="flush")
+    pipe = Pipe(world)
+    out["scheduler"] = run(pipe, lambda: pipe.sched.step() if rank == 0 else None)
+    return out
+
+
 def uneven_calls(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 calls twice then flush(), rank 1 three times (a window of 3): with each call agreed
     first (TORCH_DISTRIBUTED_DEBUG's per-call agreement), every rank raises."""
@@ -422,6 +452,7 @@ if __name__ == "__main__":
         "collectives": collectives,
         "bad inputs": bad_inputs,
         "uneven calls": uneven_calls,
+        "guard on one rank": guard_on_one_rank,
         "torchtitan bugs": torchtitan_bugs,
         "recipes": recipes,
     })

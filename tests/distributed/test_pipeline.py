@@ -180,6 +180,24 @@ def test_a_refused_call_changes_nothing_and_the_pipeline_trains_on(ranks):
         assert got["raised"] == "" and got["made"] == STEPS and got["steps"] == 1
 
 
+@pytest.mark.parametrize(("case", "what"), [("edited", "changed in place"),
+                                           ("edited_flush", "changed in place"),
+                                           ("scheduler", "scheduler.step() was called outside")])
+def test_a_guard_firing_on_one_rank_drops_the_window_on_every_rank(ranks, case, what):
+    # Before: the edit passed silently on 2 ranks (the whole-window check was built for a plain
+    # module under 2 ranks, and checked only cleared gradients); the scheduler's and a flush's
+    # refusal raised on one rank alone, before the collective the other ranks then waited in.
+    results = scenario(ranks, "guard on one rank")
+    for rank, r in enumerate(results):
+        got = r[case]
+        assert "this window was dropped on every rank" in got["raised"], got["raised"]
+        mine = (rank == 1) if case.startswith("edited") else (rank == 0)
+        assert (what in got["raised"]) == mine  # the rank that saw it names it; the other, its count
+        assert ("on 1 rank(s)" in got["raised"]) != mine
+        assert got["made"] == STEPS and got["unchanged"] and got["steps"] == 0 and got["micro_step"] == 0
+        assert got["next"]["raised"] == "" and got["next"]["steps"] == 1  # the next window trains
+
+
 def test_a_flush_against_a_call_raises_on_every_rank_with_the_per_call_agreement(ranks):
     for r in scenario(ranks, "uneven calls"):
         assert "others call flush()" in r["raised"] and r["unchanged"] and r["steps"] == 0

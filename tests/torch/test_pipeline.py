@@ -115,6 +115,44 @@ def test_a_pipeline_window_refuses_a_plain_backward(group):
         acc.backward(token_sum(mod(t), y))
 
 
+@pytest.mark.parametrize("feed", ["backward", "micro_batch", "backward_cached"])
+def test_a_plain_feed_mid_window_is_refused_before_its_backward(group, feed):
+    # Before: refused at a window's first micro-batch only; mid-window it was added in.
+    schedule, mod, acc = pipeline()
+    t, y = data(1)[0][0][0]
+    acc.backward_pipeline(schedule, t, target=y, n_items=count, reduction="sum")
+    held = [p.grad.clone() for p in mod.parameters()]
+    with pytest.raises(RuntimeError, match=r"feeds a pipeline schedule: call acc\.backward_pipeline"):
+        if feed == "backward":
+            acc.backward(token_sum(mod(t), y))
+        elif feed == "micro_batch":
+            with acc.micro_batch() as mb:
+                mb.backward(token_sum(mod(t), y))
+        else:
+            acc.backward_cached(mod, lambda z: z.sum(), gradaccum.chunks(t, 4))
+    assert acc.micro_step == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(mod.parameters(), held, strict=True))
+
+
+def test_a_scheduler_stepped_inside_a_pipeline_window_drops_it_at_its_boundary(group):
+    schedule, mod, acc = pipeline()
+    sched = torch.optim.lr_scheduler.StepLR(acc.optimizer, 1, 0.5)
+    acc = gradaccum.Accumulator(acc.optimizer, STEPS, model=mod, scheduler=sched)
+    calls = data(1)[0][0]
+    before = [p.detach().clone() for p in mod.parameters()]
+    acc.backward_pipeline(schedule, calls[0][0], target=calls[0][1], n_items=count, reduction="sum")
+    with pytest.warns(UserWarning):  # torch's: "lr_scheduler.step() before optimizer.step()"
+        sched.step()
+    acc.backward_pipeline(schedule, calls[1][0], target=calls[1][1], n_items=count, reduction="sum")
+    with pytest.raises(ValueError, match=r"dropped on every rank.*scheduler\.step\(\) was called outside"):
+        acc.backward_pipeline(schedule, calls[2][0], target=calls[2][1], n_items=count, reduction="sum")
+    assert acc.optimizer_steps == 0 and acc.micro_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(mod.parameters(), before, strict=True))
+    for t, y in calls:  # said once: the next window trains
+        acc.backward_pipeline(schedule, t, target=y, n_items=count, reduction="sum")
+    assert acc.optimizer_steps == 1
+
+
 def test_a_stale_gradient_before_the_first_call_is_refused_before_anything_runs(group):
     schedule, mod, acc = pipeline()
     t, y = data(1)[0][0][0]

@@ -71,13 +71,31 @@ def test_your_own_scheduler_step_after_a_window_is_refused_at_the_next_one_befor
     before, lr = snapshot(model), opt.param_groups[0]["lr"]
     with pytest.raises(RuntimeError, match=r"^scheduler\.step\(\) was called outside the accumulator: "
                                            r"the scheduler's last_epoch is 2, its step at the last "
-                                           r"boundary left it at 1\.") as err:
+                                           r"boundary left it at 1 \(its learning rate is now 1 "
+                                           r"step\(s\) ahead\)\.") as err:
         acc.backward(ce(model, x[4:6], y[4:6]))
     assert "remove your own scheduler.step()" in str(err.value)
     assert "do not pass scheduler=" in str(err.value) and "nothing has changed" in str(err.value)
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert opt.param_groups[0]["lr"] == lr and acc.optimizer_steps == 1
+    # Said once: the loop without its own step trains on (before, every window raised again).
+    for xb, yb in zip(x[4:].split(2), y[4:].split(2), strict=True):
+        acc.backward(ce(model, xb, yb))
+    assert acc.optimizer_steps == 2 and sched.last_epoch == 3
+
+
+def test_a_discarded_window_takes_the_scheduler_as_it_is():
+    model, _, sched, acc = sched_setup()
+    x, y = data(6)
+    acc.backward(ce(model, x[:2], y[:2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's: "lr_scheduler.step() before optimizer.step()"
+        sched.step()
+    acc.discard()  # the window and the step of yours dropped together
+    for xb, yb in zip(x[2:].split(2), y[2:].split(2), strict=True):
+        acc.backward(ce(model, xb, yb))
+    assert acc.optimizer_steps == 1 and sched.last_epoch == 2
 
 
 def test_a_scheduler_stepped_inside_a_window_is_refused_at_its_boundary_and_the_window_dropped():
@@ -496,6 +514,29 @@ def test_a_feeding_call_inside_its_own_micro_batch_block_is_refused():
     assert acc.micro_step == 1
     acc.backward(ce(model, x[4:], y[4:]))  # and the next call goes through
     assert acc.micro_step == 2
+
+
+@pytest.mark.parametrize("call", ["discard", "state_dict", "load_state_dict", "set_epoch", "resize_window",
+                                  "flush"])
+def test_the_window_is_not_changed_from_inside_its_own_micro_batch_block(call):
+    # Before: discard() there cleared the gradients and the block then committed a micro-batch
+    # into the emptied window; state_dict() saved a micro-batch half fed.
+    model = Net()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
+    x, y = data(8)
+    state = acc.state_dict()
+    acc.backward(ce(model, x[:2], y[:2]))
+    args = {"load_state_dict": (state,), "set_epoch": (1,), "resize_window": (3,)}.get(call, ())
+    with acc.micro_batch() as mb:
+        mb.backward(ce(model, x[2:4], y[2:4]) * 0.5)
+        held = grads_of(model)
+        with pytest.raises(RuntimeError, match=rf"^acc\.{call}\(\) was called inside an acc\.micro_batch\(\) "
+                                               r"block.*nothing has changed$"):
+            getattr(acc, call)(*args)
+        assert same_grads(model, held) and acc.micro_step == 1 and acc.epoch == 0
+        mb.backward(ce(model, x[2:4], y[2:4]) * 0.5)
+    assert mb.stepped and acc.optimizer_steps == 1
+    getattr(acc, call)(*args)  # outside the block: as before
 
 
 def test_a_refused_boundary_after_a_failed_one_counts_no_step():

@@ -30,7 +30,7 @@ scheduler the accumulator steps too. Nothing fails, the training is just wrong. 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NoReturn
@@ -101,10 +101,16 @@ class Guard:
         self._handle = inner.register_step_pre_hook(refuse_foreign_step)
 
     @contextmanager
-    def own_step(self) -> Iterator[None]:
+    def own_step(self, defer: Callable[[str], None] | None = None) -> Iterator[None]:
         """The accumulator's own boundary: its optimizer step passes the hook (a scheduler
-        stepped outside it is refused first)."""
-        self.check_scheduler("this window is dropped: its gradients are cleared")
+        stepped outside it is refused first; with ``defer``, a pipeline's, that refusal is handed
+        to ``defer`` instead, and the boundary raises it on every rank together)."""
+        try:
+            self.check_scheduler("this window is dropped: its gradients are cleared")
+        except RuntimeError as e:
+            if defer is None:
+                raise
+            defer(str(e))
         self._own = True
         try:
             yield
@@ -161,6 +167,11 @@ class Guard:
             self._start(micro_step)
             self.note()
 
+    def set_exact(self, exact: bool) -> None:
+        """The accumulator's sync changed (a pipeline attached at its first ``backward_pipeline``):
+        whether a reduction rewrites ``.grad`` before a window's last micro-batch, anew."""
+        self.grads.exact = exact
+
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""
         self._seen = -1
@@ -215,11 +226,13 @@ class Guard:
         now = _schedule_count(self._scheduler)
         if now is None or now <= seen:
             return
+        self._scheduled = now  # said once: the next window is checked from here
         raise RuntimeError(
             f"scheduler.step() was called outside the accumulator: the scheduler's last_epoch is {now}, "
-            f"its step at the last boundary left it at {seen}. Accumulator(..., scheduler=...) steps it "
-            "once per optimizer step itself: remove your own scheduler.step(), or do not pass "
-            f"scheduler= (and step it when acc.backward() returns True); {then}")
+            f"its step at the last boundary left it at {seen} (its learning rate is now {now - seen} "
+            "step(s) ahead). Accumulator(..., scheduler=...) steps it once per optimizer step itself: "
+            "remove your own scheduler.step(), or do not pass scheduler= (and step it when "
+            f"acc.backward() returns True); {then}")
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
@@ -238,7 +251,7 @@ def exact_grads(sync: Any) -> bool:
     last micro-batch: no reduction in every backward (``sync="micro_batch"``), nor one the
     accumulator does not control (``sync="local"`` under a process group of several ranks, where
     a DDP model not given as ``model=`` reduces each backward itself)."""
-    if sync.world_size > 1:
+    if sync.world_size > 1 or getattr(sync, "pipeline", False):  # a pipeline reduces at its boundary
         return getattr(sync, "mode", "window") != "micro_batch"
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 __all__ = ["MAX_EXACT_ITEMS", "Items", "Reduction", "Scheduler", "check_items", "check_loss", "check_parts",
-           "check_total"]
+           "check_total", "short_repr"]
 
 Reduction = Literal["mean", "sum"]
 Items = int | float | torch.Tensor | None  # a count or weight of one micro-batch
@@ -31,7 +31,8 @@ _COUNT_FIX = ("pass the items the loss averages over, e.g. n_items=len(y) or "
 MAX_EXACT_ITEMS = 2**53
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a model output's repr can run to thousands)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -71,10 +72,10 @@ def check_loss(loss: Any) -> None:
         raise TypeError(f"loss must be a scalar tensor, got a {kind} of {len(loss)}: pass the loss "
                         "element, e.g. logits, loss = model(x, y); acc.backward(loss)")
     if isinstance(loss, Real):
-        raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}: pass the "
+        raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {short_repr(loss)}: pass the "
                         "loss tensor itself, not loss.item() (a Python number has no graph to "
                         "backward through)")
-    raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {_short(loss)}: pass the "
+    raise TypeError(f"loss must be a torch.Tensor (a scalar), got a {kind}: {short_repr(loss)}: pass the "
                     "micro-batch's loss tensor, e.g. acc.backward(criterion(model(x), y))")
 
 
@@ -95,7 +96,7 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
             an unknown ``reduction``.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {_short(reduction)}: pass "
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {short_repr(reduction)}: pass "
                          "reduction='mean' for a mean loss, or reduction='sum' with n_items for a summed one")
     summed = reduction == "sum"
     if n_items is None:
@@ -107,7 +108,7 @@ def check_items(n_items: Any, reduction: Any = "mean") -> Any:
     if isinstance(n_items, torch.Tensor):
         return _check_tensor(n_items, summed)
     if isinstance(n_items, bool) or not isinstance(n_items, Real):
-        raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {_short(n_items)}: "
+        raise TypeError(f"n_items must be a number >= 0 or a 0-dim tensor, got {short_repr(n_items)}: "
                         f"{_COUNT_FIX}")
     value: int | float = int(n_items) if isinstance(n_items, Integral) else float(n_items)
     _check_value(value, summed)

@@ -63,7 +63,7 @@ class WindowGrads:
     def __init__(self, params: Sequence[torch.Tensor], model: Any, exact: bool) -> None:
         self._params = params
         self._model = model
-        self._exact = exact
+        self.exact = exact
         self._record: list[tuple[torch.Tensor, int] | None] | None = None
         self._at = 0  # micro-batches fed when the record was taken
         self._extra = 0  # backward passes beyond one per micro-batch since then
@@ -167,7 +167,7 @@ class WindowGrads:
         if record is None:
             return
         passes = fed - self._at + self._extra
-        if self._exact:
+        if self.exact:
             for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
                 if was is not None and ((g := p.grad) is not was[0]
                                         or not 0 <= g._version - was[1] <= self._allowed(i, passes)):
@@ -184,12 +184,12 @@ class WindowGrads:
                 continue
             g = p.grad
             if g is was[0]:
-                if not self._exact or 0 <= g._version - was[1] <= self._allowed(i, passes):
+                if not self.exact or 0 <= g._version - was[1] <= self._allowed(i, passes):
                     continue
                 what = "changed in place"
             elif g is None:
                 what = "cleared (set to None)"
-            elif not self._exact:
+            elif not self.exact:
                 continue
             else:
                 what = "replaced by another tensor"

@@ -45,11 +45,11 @@ from gradaccum.torch._validate import (
     Items,
     Reduction,
     Scheduler,
-    _short,
     check_items,
     check_loss,
     check_parts,
     check_total,
+    short_repr,
 )
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch._window_loss import WindowLoss
@@ -121,6 +121,7 @@ class Accumulator:
 
     _window: Window
     _entered = False  # a feeding call (or flush) is running: another one is refused
+    _in_block = False  # the user's code inside a micro_batch() block is running
 
     def __init__(
         self,
@@ -137,8 +138,9 @@ class Accumulator:
     ) -> None:
         if positional:  # the seed tutorial's Accumulator(optimizer, accumulate_step, clip_norm)
             raise TypeError(f"Accumulator takes optimizer and steps positionally, got {len(positional)} "
-                            f"more ({_short(positional[0])}): clip_norm, model, scheduler, scaler and the "
-                            "other options are keyword-only, e.g. Accumulator(optimizer, 4, clip_norm=1.0)")
+                            f"more ({short_repr(positional[0])}): clip_norm, model, scheduler, scaler and "
+                            "the other options are keyword-only, e.g. Accumulator(optimizer, 4, "
+                            "clip_norm=1.0)")
         self.schedule: Schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
@@ -334,7 +336,11 @@ class Accumulator:
             self._before_feed(window)
             with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
                             self._commit) as mb:
-                yield mb
+                self._in_block = True
+                try:
+                    yield mb
+                finally:
+                    self._in_block = False
         finally:
             self._entered = False
 
@@ -370,6 +376,7 @@ class Accumulator:
             if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
                 sync = attach(schedule, sync, self._params, self._precision, self._window, self)
                 self._sync, self._boundary = sync, step_pipeline_window
+                self._guard.set_exact(exact_grads(sync))  # reduced at the boundary only (or each call)
             nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
                        self._precision, self.clip_norm, self._check_grads)
             self._guard.note_passes(sync.n_microbatches)  # a backward per pipeline micro-batch
@@ -390,10 +397,16 @@ class Accumulator:
                 ``backward_cached`` call that left the window partly accumulated (:meth:`discard`
                 it); nothing changes.
         """
+        self._refuse_in_block("flush")
         if self._entered:
             refuse_entry("flush")
         refuse_partial(self._partial, self.micro_step)
-        self._guard.grads.check(self._window.micro_step, self._window.size)
+        try:
+            self._guard.grads.check(self._window.micro_step, self._window.size)
+        except RuntimeError as e:
+            if not isinstance(self._sync, PipelineSync):
+                raise  # under DDP/FSDP2 on this rank alone (each rank checks its own gradients)
+            self._sync.defer(str(e))  # every rank raises at the boundary: none waits in the agreement
         if self._window.terms and not self._window.complete:
             raise ValueError(
                 f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
@@ -409,17 +422,21 @@ class Accumulator:
     def discard(self) -> None:
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
+        self._refuse_in_block("discard")
         basis = self._window.basis
         self._holders.discard_others()
         self._sync.discard()
         self._clear(basis)
+        self._guard.scheduled()  # a scheduler step of yours was refused or dropped with the window
         self._open_window(basis)
         self._discard_hooks(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins; an
         empty window takes its N at once. Raises TypeError/ValueError unless ``epoch >= 0``."""
-        self.epoch = check_nonneg_int("epoch", epoch)
+        epoch = check_nonneg_int("epoch", epoch)
+        self._refuse_in_block("set_epoch")
+        self.epoch = epoch
         if self._window.empty:
             self._open_window(self._window.basis)
 
@@ -428,6 +445,7 @@ class Accumulator:
         learns a window's size from its data); the schedule is read again at the next window.
         Raises TypeError/ValueError for ``steps < 1`` or a started window (nothing changes)."""
         n = check_positive_int("steps", steps)
+        self._refuse_in_block("resize_window")
         if not self._window.empty:
             raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
                              f"{self.micro_step} of {self.steps} micro-batches")
@@ -444,6 +462,7 @@ class Accumulator:
                 call left partly accumulated (``discard()`` it).
         """
         refuse_partial(self._partial, self._window.micro_step)
+        self._refuse_in_block("state_dict")
         if not self._window.empty:
             self._sync.check_saveable()
         state = pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
@@ -466,6 +485,7 @@ class Accumulator:
             RuntimeError: another live accumulator holds a partial window over these parameters
                 (loading would overwrite its gradients); nothing is changed.
         """
+        self._refuse_in_block("load_state_dict")
         window = check_state(state, self.schedule.describe(), self._params)
         check_size(window, self.schedule)
         self._precision.check_state(state.get("accum"))
@@ -511,6 +531,19 @@ class Accumulator:
             refuse_entry(method)
         self._entered = True
 
+    def _refuse_in_block(self, method: str) -> None:
+        """Refuse ``method`` from the code inside a ``micro_batch()`` block, whose micro-batch is
+        still being fed (its gradients partly added, its window not yet advanced).
+
+        Raises:
+            RuntimeError: naming the fix; nothing has changed.
+        """
+        if self._in_block:
+            raise RuntimeError(
+                f"acc.{method}() was called inside an acc.micro_batch() block, whose micro-batch is "
+                "still being fed: leave the block first (to drop the micro-batch, raise out of the "
+                "block, then call acc.discard()); nothing has changed")
+
     def _open_window(self, basis: Any) -> None:
         self._partial = None
         count = self.epoch if self.schedule.by == "epoch" else self.optimizer_steps
@@ -524,11 +557,11 @@ class Accumulator:
         partly accumulated is refused."""
         if self._partial is not None:
             refuse_partial(self._partial, window.micro_step)
+        if isinstance(self._sync, (PendingSync, PipelineSync)):
+            self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
-            if isinstance(self._sync, (PendingSync, PipelineSync)):
-                self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
             self._holders.check_first()
             self._guard.check_first()
 
@@ -555,7 +588,8 @@ class Accumulator:
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
         try:
-            with self._guard.own_step():
+            defer = self._sync.defer if isinstance(self._sync, PipelineSync) else None
+            with self._guard.own_step(defer):
                 out = self._boundary(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error

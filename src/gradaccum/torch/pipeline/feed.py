@@ -26,6 +26,7 @@ record and parts on every call, and commits the window :func:`feed` returns.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from collections.abc import Callable
@@ -117,9 +118,12 @@ def attach(schedule: Any, sync: GradSync, params: list[torch.Tensor], precision:
         RuntimeError: this torch's schedules lack the internals the feed wraps.
     """
     stages = schedule_stages(schedule)
-    if not hasattr(schedule, "_compute_loss") or not hasattr(schedule, "_n_microbatches"):
+    if not hasattr(schedule, "_compute_loss") or not hasattr(schedule, "_n_microbatches") or not all(
+            _takes_last_backward(stage) for stage in stages):
         raise RuntimeError(f"backward_pipeline needs torch.distributed.pipelining's schedule internals "
-                           f"(_compute_loss, _n_microbatches), which torch {torch.__version__} lacks")
+                           "(_compute_loss, _n_microbatches, a stage's backward_maybe_with_nosync("
+                           f"..., last_backward)), which torch {torch.__version__} lacks (tested on torch "
+                           "2.13): install that torch, or file an issue naming yours")
     device = params[0].device if params else torch.device(stages[0].device)
     new = PipelineSync(stages, getattr(sync, "mode", "window"), device)
     new.wide_buffers = precision.buffers is not None and new.world_size > 1
@@ -148,6 +152,17 @@ def attach(schedule: Any, sync: GradSync, params: list[torch.Tensor], precision:
         precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
     new.prepare(window.next_is_last)
     return new
+
+
+def _takes_last_backward(stage: Any) -> bool:
+    """The stage's ``backward_maybe_with_nosync`` has the ``last_backward`` argument the sync's
+    wrapper turns off off the window's last call (torch/pipeline/sync.py)."""
+    method = getattr(stage, "backward_maybe_with_nosync", None)
+    try:
+        params = list(inspect.signature(method).parameters) if method is not None else []
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 and params[2] == "last_backward"
 
 
 def _agree(sync: PipelineSync, call: Call, pairs: list[float], precision: Precision) -> Agreed:

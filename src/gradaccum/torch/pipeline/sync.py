@@ -85,6 +85,8 @@ class PipelineSync:
             whose replicas hold equal gradients; every shard under FSDP2).
     """
 
+    pipeline = True  # the data-parallel reduction runs at the window's last call only (_guards.exact_grads)
+
     def __init__(self, stages: Sequence[Any], mode: SyncMode, device: torch.device) -> None:
         self.stages = list(stages)
         self.mode: SyncMode = "window" if mode == "local" else mode
@@ -176,6 +178,12 @@ class PipelineSync:
     def check_forward(self) -> None:
         """The schedule calls the stage modules itself: nothing to check."""
 
+    def defer(self, message: str) -> None:
+        """A guard's refusal on this rank alone (an edited gradient, a scheduler stepped outside),
+        recorded as the window's ``"gradients"`` problem: raised at the boundary on every rank
+        together, where raising it here would leave the other ranks waiting in a collective."""
+        self.poison.append(f"gradients: {message}")
+
     def discard(self) -> None:
         """Drop what a partial window left outside ``.grad`` (FSDP2) and its recorded problems."""
         self.poison = []
@@ -236,16 +244,21 @@ class PipelineSync:
                 vars(stage).pop(name, None)  # the class's method again
 
 
-def _skip(grad_scale_factor: int) -> None:
+def _skip(*args: Any, **kwargs: Any) -> None:
     """``perform_reduce_grad`` of an FSDP2 stage off the window's last call: its gradients stay
     unsharded and accumulate until that call reduce-scatters them."""
 
 
 def _backward(real: Callable[..., Any], reduce: bool,
               collect: Callable[[], None] | None) -> Callable[..., Any]:
-    def backward_maybe_with_nosync(backward_type: Any, bwd_kwargs: dict[str, Any],
-                                   last_backward: bool = False) -> Any:
-        out = real(backward_type, bwd_kwargs, last_backward=last_backward and reduce)
+    """``real`` (a stage's ``backward_maybe_with_nosync``) with its ``last_backward`` (the third
+    argument, given by position or name) passed on only when ``reduce``; anything else as given."""
+    def backward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 2:
+            args = (*args[:2], bool(args[2]) and reduce, *args[3:])
+        else:
+            kwargs["last_backward"] = bool(kwargs.get("last_backward", False)) and reduce
+        out = real(*args, **kwargs)
         if collect is not None:
             collect()
         return out
