@@ -8,6 +8,7 @@ The table is the contract of docs/GUIDE.md's "Errors" section: every message say
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -60,10 +61,13 @@ def fill(s: dict[str, Any], make_loss: Callable[[dict[str, Any]], torch.Tensor])
 
 
 def under_a_group_of_two(call: Callable[[], Any]) -> Callable[[dict[str, Any]], Any]:
-    """``call`` as if a process group of 2 ranks were initialized (the check reads only these)."""
+    """``call`` as if a process group of 2 ranks were initialized (the check reads only these),
+    and ``torch.distributed.pipelining`` not imported (where it is, the refusal waits for the first
+    micro-batch: a pipeline stage's module; this worker may have imported it for another test)."""
     def run(s: dict[str, Any]) -> Any:
         with mock.patch.object(dist, "is_initialized", lambda: True), \
-                mock.patch.object(dist, "get_world_size", lambda *a: 2):
+                mock.patch.object(dist, "get_world_size", lambda *a: 2), mock.patch.dict(sys.modules):
+            sys.modules.pop("torch.distributed.pipelining", None)
             return call()
     return run
 

@@ -10,7 +10,7 @@ from torch.nn.utils import get_total_norm
 
 from gradaccum.core.window import is_one
 
-__all__ = ["grads_of", "grads_used_anywhere", "group_by_device", "scale_and_clip_", "scale_grads_"]
+__all__ = ["grads_of", "grads_used_anywhere", "group_by_device", "scale_and_clip_", "scale_grads_", "version"]
 
 
 def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,3 +109,8 @@ def scale_and_clip_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     scale_grads_(grads, coef if is_one(factor) else coef * factor)
     return norm
+
+
+def version(t: torch.Tensor) -> int:
+    """The in-place version counter of a tensor's values (an FSDP2 DTensor's: its local shard's)."""
+    return int(getattr(t, "_local_tensor", t)._version)

@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from gradaccum.torch._accum_buffers import WIDE_DTYPES, AccumBuffers
-from gradaccum.torch._grads import grads_of, grads_used_anywhere, group_by_device
+from gradaccum.torch._grads import grads_of, grads_used_anywhere, group_by_device, version
 
 __all__ = ["Precision", "active_scaler", "scaler_found_inf", "unscale_wide_"]
 
@@ -223,11 +223,11 @@ class Precision:
         """Run ``step``; if it raises, record whether the parameters changed first (an optimizer
         post-hook raising after the update): the accumulator then still counts the step."""
         probe = next((p for p in self._params if p.grad is not None), None)
-        before = None if probe is None else _version(probe)
+        before = None if probe is None else version(probe)
         try:
             step(*args)
         except BaseException:
-            self.stepped_before_error = probe is not None and _version(probe) != before
+            self.stepped_before_error = probe is not None and version(probe) != before
             raise
 
     def _publish(self) -> None:
@@ -286,11 +286,6 @@ def seeded_backward(loss: torch.Tensor, seed: torch.Tensor | None) -> None:
         loss.backward(seed)  # type: ignore[no-untyped-call]
         return
     _run_backward((loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-def _version(p: torch.Tensor) -> int:
-    """The in-place version counter of a parameter's values (an FSDP2 DTensor's local shard)."""
-    return int(getattr(p, "_local_tensor", p)._version)
 
 
 def _check_accum_dtype(accum_dtype: Any) -> torch.dtype:

@@ -29,12 +29,9 @@ from typing import Any
 
 import torch
 
+from gradaccum.torch._grads import version
+
 __all__ = ["GradsBefore", "LossGrads", "loss_params", "partial_cause", "put_back", "refuse_partial"]
-
-
-def _version(g: torch.Tensor) -> int:
-    """The in-place version counter of a gradient's values (a DTensor's local shard)."""
-    return int(getattr(g, "_local_tensor", g)._version)
 
 
 def loss_params(loss: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,7 +102,7 @@ class GradsBefore:
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params
-        self.before = [None if p.grad is None else (weakref.ref(p.grad), _version(p.grad)) for p in params]
+        self.before = [None if p.grad is None else (weakref.ref(p.grad), version(p.grad)) for p in params]
 
     def restore(self) -> bool:
         """Set every gradient that did not exist before back to None; return True when each one
@@ -115,9 +112,9 @@ class GradsBefore:
             if held is None:
                 p.grad = None
                 continue
-            ref, version = held
+            ref, was = held
             g = p.grad
-            intact = intact and g is not None and ref() is g and _version(g) == version
+            intact = intact and g is not None and ref() is g and version(g) == was
         return intact
 
 

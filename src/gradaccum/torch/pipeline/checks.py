@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gradaccum.core.window import Window
-from gradaccum.torch._validate import check_items
+from gradaccum.torch._validate import check_items, short_repr
 
 __all__ = ["CALL", "FLUSH", "PROBLEMS", "Agreed", "Call", "agreement_vector", "check_call", "describe",
            "read_agreement"]
@@ -51,13 +51,17 @@ PROBLEMS: dict[str, str] = {
                       "micro-batch's mean must be weighted by its own count: pass a function of the "
                       "target chunk, n_items=lambda target: (target != -100).sum(), or sum-reduce the "
                       "loss (reduction='sum')",
-    "n_items_bad": "n_items on the last stage is not a count, a function of the target, or None",
+    "n_items_bad": "n_items on the last stage is not a count, a function of the target, or None: "
+                   "pass n_items=lambda target: (target != -100).sum(), the batch's count with "
+                   "reduction='sum', or None (every pipeline micro-batch weighs alike)",
     "n_items_elsewhere": "n_items was given on a stage that is not the last: only the last stage, "
                          "where the labels are, counts the items; pass n_items there only",
-    "reduction": "reduction must be 'mean' or 'sum'",
+    "reduction": "reduction must be 'mean' or 'sum': pass how loss_fn reduces a micro-batch's items",
     "weighting": "the last stage mixes weightings inside one window (n_items on some calls, none on "
-                 "others)",
-    "stages": "the schedule runs other stages than the ones this accumulator's window was built on",
+                 "others): give n_items on every call of the window or on none",
+    "stages": "the schedule runs other stages than the ones this accumulator's window was built on: "
+              "build one Accumulator per schedule (over its stages' parameters), or feed the "
+              "first schedule again",
     "params": "the optimizer holds parameters that are in none of this rank's pipeline stages: pass "
               "the stage modules' parameters (all stages this rank runs) to the optimizer",
     "gradients": "the window's gradients (or the scheduler) were changed outside the accumulator, "
@@ -193,7 +197,7 @@ def check_call(sync: Any, schedule: Any, target: Any, n_items: Any, reduction: A
     if sync.has_last:
         _check_last(call, target, n_items, n_mb, window)
     elif n_items is not None:
-        problems["n_items_elsewhere"] = f"n_items={_short(n_items)} on a rank holding stage(s) " \
+        problems["n_items_elsewhere"] = f"n_items={short_repr(n_items, 40)} on a rank holding stage(s) " \
                                         f"{[s.stage_index for s in sync.stages]}"
     try:
         check_grads(window)  # stale or edited gradients, a scheduler stepped outside, another window
@@ -216,7 +220,7 @@ def _check_last(call: Call, target: Any, n_items: Any, n_mb: int, window: Window
             problems["n_items_bad"] = str(e)
         else:
             if not call.summed and n_mb > 1:
-                problems["n_items_number"] = f"got n_items={_short(n_items)} for {n_mb} micro-batches"
+                problems["n_items_number"] = f"got n_items={short_repr(n_items, 40)} for {n_mb} micro-batches"
     if window.weighting is not None and window.weighting != ("items" if call.items else "mean") \
             and "n_items_missing" not in problems:
         problems["weighting"] = f"its first {window.micro_step} call(s) " \
@@ -225,6 +229,3 @@ def _check_last(call: Call, target: Any, n_items: Any, n_mb: int, window: Window
         call.n_items = None  # a harmless step: its weight is 0 (the window raises at its boundary)
 
 
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
