@@ -168,6 +168,13 @@ class WindowGrads:
             return
         passes = fed - self._at + self._extra
         if self.exact:
+            for p, was in zip(self._params, record, strict=True):
+                if was is not None and ((g := p.grad) is not was[0]
+                                        or not 0 <= g._version - was[1] <= passes):
+                    break  # out of the plain bound: the exact one (extra passes, additions per pass)
+            else:
+                self._record = None
+                return
             for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
                 if was is not None and ((g := p.grad) is not was[0]
                                         or not 0 <= g._version - was[1] <= self._allowed(i, passes)):
