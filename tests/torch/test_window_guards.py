@@ -7,6 +7,7 @@ stays silent and exact."""
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import threading
 import warnings
@@ -427,6 +428,31 @@ def test_a_plain_model_is_counted_once_then_never_again():
             hooks.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()))
             mb.backward(ce(model, xb, yb))
     assert hooks == [6, 0, 0, 0]  # the first window's first micro-batch: one hook per parameter
+
+
+def test_a_first_micro_batch_that_raised_leaves_no_hook_behind():
+    # The additions are counted by hooks during the first micro-batch: one that raised takes them
+    # off at discard(), or when its accumulator is dropped without one.
+    model = Net()
+    x, y = data(4)
+
+    def boom(_):
+        raise RuntimeError("boom")
+
+    for end in ("discard", "drop"):
+        acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
+        handle = model.body.weight.register_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            acc.backward(ce(model, x, y))
+        handle.remove()
+        assert any(p._post_accumulate_grad_hooks for p in model.parameters())  # still counting
+        if end == "discard":
+            acc.discard()
+        else:
+            del acc
+            gc.collect()
+        assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+        model.zero_grad(set_to_none=True)
 
 
 def test_accum_dtype_buffers_are_not_checked_and_not_taken_for_an_edit():

@@ -236,8 +236,10 @@ class Guard:
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
-        optimizer when the next accumulator is made."""
+        optimizer when the next accumulator is made. A count of additions still running (a
+        first micro-batch that raised, never discarded) stops: its hooks leave the parameters."""
         _RETIRED.append(self._handle)
+        self.grads.forget()
 
 
 def _schedule_count(scheduler: Any) -> int | None:
