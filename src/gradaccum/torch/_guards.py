@@ -37,14 +37,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from gradaccum.torch._hooks import hook_optimizer, retire
 from gradaccum.torch._window_grads import WindowGrads
 
 __all__ = ["Guard", "exact_grads", "refuse_entry", "stepping_accumulator"]
 
-# Hooks of dropped accumulators, taken off when the next Guard is made: an accumulator can be
-# collected while the optimizer iterates over its hooks (a collection triggered inside one),
-# where removing a hook would change the dict being iterated.
-_RETIRED: list[Any] = []
 # The accumulator whose boundary is stepping its scheduler now (Guard.step_scheduler), or None.
 _STEPPING: ContextVar[Any] = ContextVar("gradaccum_stepping_scheduler", default=None)
 
@@ -93,12 +90,8 @@ class Guard:
                 "optimizer.step() and optimizer.zero_grad() calls; nothing was stepped")
 
         # A wrapper (Accelerate's AcceleratedOptimizer) steps the optimizer it wraps: hook that one.
-        inner: Any = optimizer
-        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-            inner = inner.optimizer
-        while _RETIRED:
-            _RETIRED.pop().remove()
-        self._handle = inner.register_step_pre_hook(refuse_foreign_step)
+        self._handle = hook_optimizer(optimizer,
+                                      lambda inner: inner.register_step_pre_hook(refuse_foreign_step))
 
     @contextmanager
     def own_step(self, defer: Callable[[str], None] | None = None) -> Iterator[None]:
@@ -238,7 +231,7 @@ class Guard:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
         optimizer when the next accumulator is made. A count of additions still running (a
         first micro-batch that raised, never discarded) stops: its hooks leave the parameters."""
-        _RETIRED.append(self._handle)
+        retire(self._handle)
         self.grads.forget()
 
 

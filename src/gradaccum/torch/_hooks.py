@@ -1,5 +1,6 @@
 """Callbacks the accumulator runs at window events (a boundary, a discard): one :class:`HookList`
-per event, filled by ``register_boundary_hook`` and ``register_discard_hook``."""
+per event, filled by ``register_boundary_hook`` and ``register_discard_hook``; and the hooks the
+accumulator's parts put on its optimizer (:func:`hook_optimizer`, :func:`retire`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,37 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookList"]
+__all__ = ["HookList", "hook_optimizer", "retire"]
+
+# Optimizer hooks of dropped accumulators, taken off when the next hook is put on: an accumulator
+# can be collected while the optimizer iterates over its hooks (a collection triggered inside
+# one), where removing a hook would change the dict being iterated.
+_RETIRED: list[RemovableHandle] = []
+
+
+def hook_optimizer(optimizer: Any, register: Callable[[torch.optim.Optimizer], RemovableHandle]
+                   ) -> RemovableHandle:
+    """``register(inner)`` on the optimizer that ``optimizer`` steps (a wrapper's, such as
+    Accelerate's ``AcceleratedOptimizer``: the one it wraps), after taking off the retired hooks.
+
+    Returns:
+        The handle ``register`` returned; :func:`retire` it when its accumulator is gone.
+    """
+    inner: Any = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    while _RETIRED:
+        _RETIRED.pop().remove()
+    return register(inner)
+
+
+def retire(handle: RemovableHandle) -> None:
+    """Take ``handle``'s hook off its optimizer when the next one is put on (safe to call while
+    the optimizer runs its hooks)."""
+    _RETIRED.append(handle)
 
 
 class HookList:

@@ -21,12 +21,9 @@ from typing import Any
 
 import torch
 
+from gradaccum.torch._hooks import hook_optimizer, retire
+
 __all__ = ["SaveWatch"]
-
-# Hooks of dropped accumulators, taken off the optimizer when the next watch is made: a hook
-# cannot remove itself while the optimizer iterates over its hooks (torch/_guards.py's reason).
-_DEAD: list[Any] = []
-
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
@@ -67,13 +64,9 @@ class SaveWatch:
             if owner is not None and owner.micro_step:
                 self.optimizer_at = (owner.windows, owner.micro_step)
 
-        inner: Any = optimizer  # a wrapper's state_dict (AcceleratedOptimizer's) is the inner one's
-        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-            inner = inner.optimizer
-        while _DEAD:
-            _DEAD.pop().remove()
-        handle = inner.register_state_dict_pre_hook(optimizer_saved)
-        weakref.finalize(acc, _DEAD.append, handle)
+        # A wrapper's state_dict (AcceleratedOptimizer's) is the inner one's: hook that one.
+        handle = hook_optimizer(optimizer, lambda inner: inner.register_state_dict_pre_hook(optimizer_saved))
+        weakref.finalize(acc, retire, handle)
         acc.register_boundary_hook(self.check)
 
     def own_saved(self, windows: int, micro_step: int) -> None:
