@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,30 @@ class Towers(nn.Module):
 
     def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.image(images), self.text(texts)
+
+
+class Encoders(nn.Module):
+    """The towers without the temperature (FSDP2 shards modules; the temperature stays outside);
+    ``forward`` encodes images and any number of texts."""
+
+    def __init__(self, towers: Towers) -> None:
+        super().__init__()
+        self.image, self.text = copy.deepcopy(towers.image), copy.deepcopy(towers.text)
+
+    def forward(self, images: torch.Tensor, *texts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.image(images), *(self.text(t) for t in texts))
+
+
+def sharded(towers: Towers) -> tuple[Encoders, nn.Parameter]:
+    """:class:`Encoders` of ``towers`` with each tower and the root ``fully_shard``-ed (FSDP2, under
+    an initialized process group), and the temperature as a parameter of its own."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Encoders(towers)
+    for tower in (model.image, model.text):
+        fully_shard(tower)
+    fully_shard(model)
+    return model, nn.Parameter(towers.logit_scale.detach().clone())
 
 
 def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradaccum
-from tests.contrastive import Towers, clip_loss, full_batch_grads, pairs
+from tests.contrastive import Encoders, Towers, clip_loss, full_batch_grads, pairs, sharded
 from tests.ranks import run_scenarios
 
 STEPS, WINDOWS, CHUNKS = 2, 2, 3
@@ -62,17 +62,6 @@ def counted(ddp: DDP) -> dict[str, int]:
 
     ddp.register_comm_hook(None, hook)
     return count
-
-
-class Encoders(nn.Module):
-    """The towers without the temperature (FSDP2 shards modules; the temperature stays outside)."""
-
-    def __init__(self, base: Towers) -> None:
-        super().__init__()
-        self.image, self.text = copy.deepcopy(base.image), copy.deepcopy(base.text)
-
-    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.image(images), self.text(texts)
 
 
 def ddp_run(rank: int, world: int, *, rows: list[int] = EVEN, find_unused: bool = False,
@@ -156,15 +145,10 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
 
 
 def fsdp_run(rank: int, world: int, sync: str) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     base = Towers()
-    model = Encoders(base)
-    for tower in (model.image, model.text):
-        fully_shard(tower)
-    fully_shard(model)
-    temperature = nn.Parameter(base.logit_scale.detach().clone())
+    model, temperature = sharded(base)
     params = [*model.parameters(), temperature]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     acc = gradaccum.Accumulator(opt, STEPS, model=model, sync=sync)
@@ -197,7 +181,6 @@ def failures_run(rank: int, world: int, wrapper: str, sync: str = "window") -> d
     ``discard()``, except under FSDP2 with ``sync="micro_batch"``, where the call's own gradients
     were still pending inside FSDP2 (dropped: the window goes on). The windows fed afterwards equal
     one process on their global batches."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     base = Towers()
@@ -205,11 +188,7 @@ def failures_run(rank: int, world: int, wrapper: str, sync: str = "window") -> d
         model: Any = DDP(copy.deepcopy(base))
         params, scale = list(model.parameters()), model.module.logit_scale
     else:
-        model = Encoders(base)
-        for tower in (model.image, model.text):
-            fully_shard(tower)
-        fully_shard(model)
-        scale = nn.Parameter(base.logit_scale.detach().clone())
+        model, scale = sharded(base)
         params = [*model.parameters(), scale]
     acc = gradaccum.Accumulator(torch.optim.SGD(params, lr=0.1, momentum=0.9), STEPS, model=model, sync=sync)
     batches = global_batches(EVEN, seed=70)

@@ -27,7 +27,7 @@ import gradaccum
 from gradaccum.contrastive import clip_loss, info_nce, rank_local, siglip_loss
 from gradaccum.torch.cached.loss_ranks import ranks_running_loss
 from gradaccum.torch.distributed.collectives import RankGroups
-from tests.contrastive import Towers, supcon_loss
+from tests.contrastive import Encoders, Towers, sharded, supcon_loss
 from tests.contrastive_dense import clip_dense, info_nce_dense, siglip_dense
 from tests.ranks import run_scenarios
 
@@ -47,17 +47,6 @@ def mine(batch: tuple[torch.Tensor, ...], rank: int, world: int) -> list[Any]:
     rows = ROWS[world]
     start, count = sum(rows[:rank]), rows[rank]
     return gradaccum.chunks(tuple(t[start:start + count] for t in batch), -(-count // 2))
-
-
-class Encoders(nn.Module):
-    """The towers without the temperature; ``forward`` encodes images and any number of texts."""
-
-    def __init__(self, towers: Towers) -> None:
-        super().__init__()
-        self.image, self.text = copy.deepcopy(towers.image), copy.deepcopy(towers.text)
-
-    def forward(self, images: torch.Tensor, *texts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (self.image(images), *(self.text(t) for t in texts))
 
 
 class WithScale(Encoders):
@@ -225,15 +214,10 @@ def rank_local_scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 def fsdp_scenario(rank: int, world: int) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     towers = Towers()
-    model, ref = Encoders(towers), Encoders(towers)
-    for tower in (model.image, model.text):
-        fully_shard(tower)
-    fully_shard(model)
-    scale = nn.Parameter(towers.logit_scale.detach().clone())
+    (model, scale), ref = sharded(towers), Encoders(towers)
     ref_scale = nn.Parameter(towers.logit_scale.detach().clone())
     batches = [data(300 + b) for b in range(STEPS * WINDOWS)]
     got = train(model, model, [scale], lambda i, t: clip_loss(unit(i), unit(t), scale.exp(), tile=TILE),
