@@ -54,17 +54,18 @@ def reduced_twice(trace: Trace, w: int, world: int, seen: torch.Tensor, full: to
             f"optimizer saw {times} {world}x the full batch's")
 
 
-def learning_rate(probes: list[Probe], ref_lr: float, k: int) -> Said | None:
-    """The learning rate at the step is k times (or 1/k times) the full batch's on every split."""
+def learning_rate(probes: list[Probe], ref_lr: float, k: int) -> tuple[Said, int] | None:
+    """The learning rate at the step is k times (or 1/k times) the full batch's on every split:
+    what to say, and the power of k (1 or -1)."""
     seen = [(len(p.sizes), p.lrs[0] / ref_lr) for p in probes if p.lrs and ref_lr]
     if len({k for k, _ in seen}) < 2:
         return None
-    for rule, of in (("times", float), ("over", lambda n: 1.0 / n)):
-        if all(math.isclose(r, of(n), rel_tol=1e-9) for n, r in seen):
+    for rule, power in (("times", 1), ("over", -1)):
+        if all(math.isclose(r, float(n) ** power, rel_tol=1e-9) for n, r in seen):
             ks = ", ".join(f"{n}: {r:.4g}x" for n, r in sorted(set(seen)))
             return (words.learning_rate(rule, k),
                     "why: the gradient is the full batch's, and the learning rate at the step over "
-                    f"the full batch's, by the micro-batches k, was {ks}")
+                    f"the full batch's, by the micro-batches k, was {ks}"), power
     return None
 
 

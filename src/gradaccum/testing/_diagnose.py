@@ -66,8 +66,9 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
             return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
     names = list(ctx.job.names)
     seen = flat(trace.steps[w][0].grads, names)
-    if len(ctx.ref.steps[w]) == 1:
-        unclipped = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names)
+    single = len(ctx.ref.steps[w]) == 1  # the reference is the step itself
+    unclipped = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names) if single else None
+    if unclipped is not None:
         said = causes.no_gradient(trace, w, seen, unclipped) or (causes.reduced_twice(
             trace, w, ctx.job.world, seen, unclipped, ctx.tol) if ctx.job.world > 1 else None)
         if said is not None:
@@ -75,7 +76,7 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
     if c.apart is not None:
         return Finding(words.ranks_apart(c.apart), "")
     head = words.amount(c.ratio, c.cosine)
-    if len(ctx.ref.steps[w]) != 1:  # only a reference that is the step itself can do this
+    if unclipped is None:  # only a reference that is the step itself can do this
         return _candidates(words.differs(c.ratio, c.cosine),
                            [f"the reference, your step on the whole batch as one micro-batch, stepped "
                             f"{len(ctx.ref.steps[w])} times in window {w + 1}: pass loss_fn"])
@@ -83,9 +84,8 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
     if close(seen, full, ctx.tol):
         return _learning_rate(c, ctx, head)
     if w > 0:
-        base = flat((ctx.ref.pre_clip or [s[0].grads for s in ctx.ref.steps])[w], names)
         stale = flat(trace.steps[w - 1][0].grads, names)
-        if close(seen, clip(stale + base, ctx.clip_norm), ctx.tol):
+        if close(seen, clip(stale + unclipped, ctx.clip_norm), ctx.tol):
             return Finding(f"{head}: {words.STALE}", f"why: window {w + 1}'s gradient is window {w}'s "
                            f"plus its own{_clipped(ctx)}")
         agreed = f"{w} window{'s' if w > 1 else ''} that agreed"
@@ -115,8 +115,8 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
                        f"why: the gradient is the full batch's; your step called scheduler.step() "
                        f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
     rate = causes.learning_rate(ctx.probes(), ctx.ref.steps[0][0].lrs[0], len(c.sizes))
-    if rate is not None and mine[0] == theirs[0] * len(c.sizes) ** (1 if "multiplied" in rate[0] else -1):
-        return Finding(f"{head}: {rate[0]}", rate[1])
+    if rate is not None and mine[0] == theirs[0] * len(c.sizes) ** rate[1]:
+        return Finding(f"{head}: {rate[0][0]}", rate[0][1])
     if mine != theirs:
         return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient is the full batch's, {lrs}",
                            ["a scheduler stepped more or less often than once per optimizer step",
