@@ -38,7 +38,7 @@ from torch.nn.utils import get_total_norm
 from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome
 from gradaccum.torch._grads import scale_grads_
-from gradaccum.torch._precision import Precision, active_scaler
+from gradaccum.torch._precision import Precision, active_scaler, scaler_found_inf
 from gradaccum.torch._window_loss import WindowLoss, weighted_sum
 from gradaccum.torch.pipeline.checks import PROBLEMS, describe
 from gradaccum.torch.pipeline.sync import PipelineSync
@@ -58,7 +58,7 @@ def step_pipeline_window(window: Window, sync: PipelineSync, precision: Precisio
             length or the next one's (every rank raises; nothing is stepped).
         Whatever the scaler or the optimizer raises.
     """
-    if precision.buffers is not None and sync.world_size > 1 and sync.dp:
+    if sync.wide_buffers:
         precision.average_over_ranks(sync.dp[0])  # float32 sums, reduced once (DDP reduced nothing)
     grads = precision.window_grads()
     vec = _vector(window, sync, precision, grads, clip_norm is not None or precision.skip_nonfinite)
@@ -100,11 +100,10 @@ def _vector(window: Window, sync: PipelineSync, precision: Precision, grads: lis
     nonfinite = 0.0
     scaler = active_scaler(precision.scaler)
     if scaler is not None and grads:
-        found = scaler._found_inf_per_device(precision.optimizer)
-        nonfinite = float(any(bool(v.item()) for v in found.values()))
+        nonfinite = float(scaler_found_inf(scaler, precision.optimizer))
     ms, nxt = window.micro_step, sync.next_size()
     dtype = 0 if loss_sum is None else _DTYPES.index(loss_sum.dtype) + 1 if loss_sum.dtype in _DTYPES else 1
-    problems = {p.split(":", 1)[0] for p in sync.poison}
+    problems = {code for code, _ in sync.poison}
     plain = [0.0, 0.0, 0.0, nonfinite, float(sync.has_last), float(items),
              float(last and window.summed), ms, ms * ms, nxt, nxt * nxt, float(dtype),
              *(1.0 if code in problems else 0.0 for code in PROBLEMS)]
@@ -131,7 +130,7 @@ def _check(got: list[float], window: Window, sync: PipelineSync) -> None:
     issues = []
     for code, count in zip(PROBLEMS, got[_FIXED:], strict=True):
         if count:
-            mine = [p.split(":", 1)[1].strip() for p in sync.poison if p.split(":", 1)[0] == code]
+            mine = [detail for seen, detail in sync.poison if seen == code]
             others = " and others" if count > 1 else ""
             where = f"on this rank{others}" if mine else f"on {int(count)} rank(s)"
             issues.append(describe(code, "; ".join(filter(None, mine)) or None) + f" [{where}]")

@@ -82,7 +82,7 @@ def feed(sync: PipelineSync, schedule: Any, args: tuple[Any, ...], target: Any, 
         sync.weights = _agree(sync, call, _pairs(CALL, window.size, window.micro_step, n_mb, sync,
                                                   precision, clip_norm), precision)
     elif call.problems:
-        sync.poison += [f"{code}: {detail}" for code, detail in call.problems.items()]
+        sync.poison += call.problems.items()
     weights: Agreed = sync.weights
     scale = window.scale if window.micro_step else (
         pow2_total(window.basis or weights.first_count or 1, window.size) if weights.use_scale else None)
@@ -148,8 +148,7 @@ def attach(schedule: Any, sync: GradSync, params: list[torch.Tensor], precision:
 
     new.next_size = next_size
     new.flush_pairs = flush_pairs
-    if precision.scaler is not None and precision.scaler.is_enabled():
-        precision.scale(torch.zeros((), device=device))  # its scale exists on every stage
+    precision.scale(torch.zeros((), device=device))  # an active scaler's scale exists on every stage
     new.prepare(window.next_is_last)
     return new
 
@@ -173,7 +172,7 @@ def _agree(sync: PipelineSync, call: Call, pairs: list[float], precision: Precis
     if sync.weights is None and call.last and call.items and not call.problems and overflow_prone:
         first = _host_count(_first_count(call))
     last = [sync.has_last, call.last and call.items, call.last and call.summed, first,
-            precision.overflow_prone, bool(sync.poison)]
+            overflow_prone, bool(sync.poison)]
     return sync.agree(pairs, last, call.problems)
 
 
@@ -200,9 +199,7 @@ class _weighted:
 
     def __init__(self, precision: Precision, schedule: Any, call: Call, scale: Any,
                  micro_batches: int) -> None:
-        self.schedule, self.call = schedule, call
-        active = precision.scaler is not None and precision.scaler.is_enabled()
-        self.scaled = precision.scale if active else None
+        self.schedule, self.call, self.scaled = schedule, call, precision.scale  # by an active scaler
         self.inv = None if scale is None else 1.0 / scale
         self.mean = 1.0 / micro_batches  # a mean over every pipeline micro-batch of the window
 
@@ -224,7 +221,7 @@ class _weighted:
         raw = self.schedule._loss_fn(output, target, **(loss_kwargs or {}))
         call.raw.append(raw)
         loss = _weigh(raw, call, target, self.inv, self.mean)
-        return loss if self.scaled is None else self.scaled(loss)
+        return self.scaled(loss)
 
 
 def _weigh(raw: torch.Tensor, call: Call, target: Any, inv: float | None, mean: float) -> torch.Tensor:

@@ -98,6 +98,8 @@ class PipelineSync:
         dp_groups = list(self.dp[0].groups) if self.dp else []
         self.world_size = math.prod(dist.get_world_size(g) for g in dp_groups) if dp_groups else 1
         self.sharded = bool(self.dp) and isinstance(self.dp[0], FSDPSync)
+        self.fsdp_stages = [s for s in self.stages if any(isinstance(d, FSDPSync) and d.module is s.submod
+                                                         for d in self.dp)]
         self.dp_lead = self.sharded or not self.dp or all(dist.get_rank(g) == 0 for g in dp_groups)
         groups: list[Any]  # process groups (None: the default one)
         if pp_size * self.world_size == dist.get_world_size():
@@ -105,13 +107,12 @@ class PipelineSync:
         else:
             groups = [pp_group, *dp_groups]
         world: Any = dist.group.WORLD
-        self.ranks = RankGroups([world if g is None else g for g in groups], device, "window")
-        self.ranks.world_size = pp_size * self.world_size
+        self.ranks = RankGroups([world if g is None else g for g in groups], device, "window")  # pp x dp
         self.rank = dist.get_rank()
         self.reduce_next = False
         self.agreed: Any = None  # (schedule, window record) the last call left: no agreement needed
-        self.weights: Any = None  # the agreed run facts (torch/pipeline/feed.py's Agreement)
-        self.poison: list[str] = []  # this window's deferred problems on this rank
+        self.weights: Any = None  # the agreed run facts (torch/pipeline/checks.py's Agreed)
+        self.poison: list[tuple[str, str]] = []  # this window's deferred problems here: (code, detail)
         self.n_microbatches = 1  # the schedule's, set by each call
         self.next_size: Callable[[], int] = lambda: 0  # the next window's size (the accumulator's steps)
         self.wide_buffers = False  # accum_dtype under DDP: the boundary averages the float32 sums
@@ -149,17 +150,15 @@ class PipelineSync:
                 input in this window (every rank raises, before anything changes).
         """
         agreed = self.agree(self.flush_pairs(), [self.has_last, 0, 0, 0, 0, bool(self.poison)], {})
-        if agreed.poisoned or not micro_steps or self.mode == "micro_batch":
-            return  # a poisoned window raises at the boundary; an empty one has nothing to reduce
+        if agreed.poisoned or not micro_steps or self.mode == "micro_batch" or self.wide_buffers:
+            # a poisoned window raises at the boundary; an empty one has nothing to reduce; wide
+            # buffers (accum_dtype) are averaged over the replicas by the boundary itself
+            return
         for dp in self.dp:
             if isinstance(dp, DDPSync):
                 dp.sync_partial([p for p in dp.module.parameters()], micro_steps)
-            else:
-                self._reduce_fsdp(dp)
-
-    def _reduce_fsdp(self, dp: FSDPSync) -> None:
-        stage = next(s for s in self.stages if s.submod is dp.module)
-        stage.perform_reduce_grad(1)
+        for stage in self.fsdp_stages:
+            stage.perform_reduce_grad(1)
 
     def reduce_window(self, loss_sum: Any, items: Any,
                       sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
@@ -182,7 +181,7 @@ class PipelineSync:
         """A guard's refusal on this rank alone (an edited gradient, a scheduler stepped outside),
         recorded as the window's ``"gradients"`` problem: raised at the boundary on every rank
         together, where raising it here would leave the other ranks waiting in a collective."""
-        self.poison.append(f"gradients: {message}")
+        self.poison.append(("gradients", message))
 
     def discard(self) -> None:
         """Drop what a partial window left outside ``.grad`` (FSDP2) and its recorded problems."""
@@ -229,12 +228,11 @@ class PipelineSync:
         reduce = self.reduce_next and self.reduces_in_backward
         patched = []
         for stage in self.stages:
-            fsdp = any(isinstance(d, FSDPSync) and d.module is stage.submod for d in self.dp)
             if collect is not None or (self.dp and not reduce):
                 real = stage.backward_maybe_with_nosync
                 stage.backward_maybe_with_nosync = _backward(real, reduce, collect)
                 patched.append((stage, "backward_maybe_with_nosync"))
-            if fsdp and not reduce:
+            if not reduce and stage in self.fsdp_stages:
                 stage.perform_reduce_grad = _skip
                 patched.append((stage, "perform_reduce_grad"))
         try:
