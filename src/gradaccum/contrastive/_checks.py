@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gradaccum.contrastive._tiles import pick_tile
+from gradaccum.core.validate import check_positive_int
 
 __all__ = ["check_pair", "check_scalar", "check_tile"]
 
@@ -23,13 +24,8 @@ def check_tile(tile: Any, device: torch.device) -> int:
     """
     if tile is None:
         return pick_tile(device)
-    if isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
-        raise TypeError(f"tile must be a positive integer (the rows and columns of one block) or None "
-                        f"(pick one), got {tile!r} ({type(tile).__name__})")
-    if tile <= 0:
-        raise ValueError(f"tile must be a positive integer (the rows and columns of one block) or None "
-                         f"(pick one), got {tile}")
-    return int(tile)
+    return check_positive_int("tile", tile, fix="pass the rows and columns of one block as an int, "
+                                                "such as tile=1024, or tile=None to pick one")
 
 
 def _matrix(name: str, t: Any) -> torch.Tensor:

@@ -130,20 +130,10 @@ def put_back(before: GradsBefore, sync: Any, empty: bool, began: bool) -> bool:
     intact = before.restore()
     drop = getattr(sync, "drop_pending", None)
     if began and drop is not None:
-        if not empty and _grads_outside(sync):
-            return False  # sync="window": the window's own gradients are among them
+        if not empty and sync.mode == "window":
+            return False  # FSDP2 holds the window's own unsharded gradients among its pending ones
         drop()
     return intact
-
-
-def _grads_outside(sync: Any) -> bool:
-    """True when ``sync`` holds the partial window's gradients outside ``.grad`` (FSDP2 with
-    ``sync="window"``: it refuses to checkpoint them)."""
-    try:
-        sync.check_saveable()
-    except RuntimeError:
-        return True
-    return False
 
 
 def partial_cause(error: BaseException) -> str:
