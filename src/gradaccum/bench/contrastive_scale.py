@@ -31,6 +31,7 @@ from torch.nn.functional import normalize
 
 from gradaccum import Accumulator, chunks
 from gradaccum.bench import towers
+from gradaccum.bench.measure import allocator_memory
 from gradaccum.contrastive import clip_loss
 
 __all__ = ["METHODS", "ScaleSizes", "TinyTowers", "cached_step", "dense_estimate", "pair_features",
@@ -113,9 +114,7 @@ def cached_step(method: str, model: TinyTowers, batch: tuple[torch.Tensor, torch
     kind = batch[0].device.type
 
     def encode(part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if autocast is None:
-            return outer(*part)  # type: ignore[no-any-return]
-        with torch.autocast(kind, dtype=autocast):
+        with torch.autocast(kind, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             return outer(*part)  # type: ignore[no-any-return]
 
     def loss_fn(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -132,12 +131,9 @@ def peak_growth(step: Callable[[], Any], device: torch.device) -> tuple[int, flo
     """Run ``step`` once: its peak memory growth (bytes) and its seconds (module docstring)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base, time.perf_counter() - start
+        _, memory = allocator_memory(step, device)
+        return memory.peak, time.perf_counter() - start
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     step()

@@ -21,7 +21,7 @@ import torch
 
 from gradaccum.bench.measure import Memory, allocator_memory
 
-__all__ = ["Context", "Outcome", "alloc_bytes", "peak", "rel_l2", "to_jsonable"]
+__all__ = ["Context", "Outcome", "alloc_bytes", "peak", "rel_l2", "size_text", "to_jsonable"]
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
@@ -127,6 +127,16 @@ def alloc_bytes(tensors: Iterable[torch.Tensor], device: torch.device, itemsize:
         n = t.numel() * (t.element_size() if itemsize is None else itemsize)
         total += -(-n // CUDA_BLOCK) * CUDA_BLOCK if device.type == "cuda" else n
     return total
+
+
+def size_text(n: float) -> str:
+    """Bytes for a check's line: GiB with two decimals from 1 GiB up, else MiB with one.
+
+    Example:
+        >>> size_text(3 * 2**29), size_text(2**20)
+        ('1.50 GiB', '1.0 MiB')
+    """
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def rel_l2(got: Iterable[torch.Tensor], want: Iterable[torch.Tensor]) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from gradaccum.bench.gpu.check import Context, Outcome, peak, rel_l2
+from gradaccum.bench.gpu.check import Context, Outcome, peak, rel_l2, size_text
 from gradaccum.bench.measure import device_sync, interleaved, step_grads
 from gradaccum.bench.towers import CLIP_B32, TOWERS_TINY, TwoTowers, contenders, pair_batch
 
@@ -39,10 +39,6 @@ def _pairs(ctx: Context) -> int:
         return 64
     gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
     return 1024 if gib >= 80 else 256
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def run(ctx: Context) -> Outcome:
@@ -76,8 +72,9 @@ def run(ctx: Context) -> Outcome:
     ctx.record(median_ms=ms, rounds=repeats, time_vs_naive=vs_naive, time_vs_full_batch=vs_full,
                peak_vs_full_batch=peak_ratio)
     measured = (f"{pairs} pairs in {PIECES} chunks, {n_params:,} parameters: peak "
-                f"{_size(peaks['backward_cached'])} vs full batch {_size(peaks['full batch'])} "
-                f"({peak_ratio:.2f}x), naive {_size(peaks['naive'])}; time {ms['backward_cached']:.0f} ms "
+                f"{size_text(peaks['backward_cached'])} vs full batch {size_text(peaks['full batch'])} "
+                f"({peak_ratio:.2f}x), naive {size_text(peaks['naive'])}; "
+                f"time {ms['backward_cached']:.0f} ms "
                 f"= {vs_full:.2f}x full batch, {vs_naive:.2f}x naive; gradient rel. L2 from full batch "
                 f"{errors['backward_cached']:.1e} (naive {errors['naive']:.1e})")
     met = (peak_ratio <= PEAK_TARGET and errors["backward_cached"] < errors["naive"]

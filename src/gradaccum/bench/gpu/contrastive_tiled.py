@@ -20,7 +20,6 @@ tiled, ``d = 16``, chunks of 512, on the CPU (peaks from the process's resident 
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -33,9 +32,9 @@ from gradaccum.bench.contrastive_scale import (
     pair_features,
     peak_growth,
 )
-from gradaccum.bench.gpu.check import Context, Outcome, rel_l2
+from gradaccum.bench.gpu.check import Context, Outcome, rel_l2, size_text
 from gradaccum.bench.measure import step_grads
-from gradaccum.torch.memory.oom import is_oom_error
+from gradaccum.torch.memory.oom import is_oom_error, release_memory
 
 __all__ = ["run"]
 
@@ -43,16 +42,6 @@ GPU_PAIRS, SMOKE_PAIRS = 1_048_576, 2048
 GPU_SIZES = ScaleSizes(inputs=64, width=512, dim=512, chunk=16384)
 SMOKE_SIZES = ScaleSizes(inputs=8, width=16, dim=16, chunk=512)
 GRAD_TARGET = 5e-2
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _fresh(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _dense_start(ctx: Context) -> int:
@@ -72,7 +61,7 @@ def _step(method: str, model: TinyTowers, pairs: int, sizes: ScaleSizes, ctx: Co
     batch = pair_features(pairs, sizes, ctx.device)
     step = cached_step(method, model, batch, sizes.chunk, autocast=torch.bfloat16)
     grads: list[torch.Tensor] = []
-    _fresh(ctx.device)
+    release_memory()
     growth, seconds = peak_growth(lambda: grads.extend(step_grads(model, step)), ctx.device)
     return {"pairs": pairs, "peak_bytes": growth, "seconds": seconds, "ns_per_pair": 1e9 * seconds / pairs,
             "grads": grads}
@@ -107,15 +96,15 @@ def run(ctx: Context) -> Outcome:
     if needed > 0.8 * ctx.time_left():
         ctx.record(tiled=None, skipped=f"needs about {needed:.0f} s, {ctx.time_left():.0f} s left")
         return Outcome(f"{big:,} pairs skipped: about {needed:.0f} s needed, {ctx.time_left():.0f} s left; "
-                       f"dense at {dense['pairs']:,}: {_size(dense['peak_bytes'])}",
+                       f"dense at {dense['pairs']:,}: {size_text(dense['peak_bytes'])}",
                        f"{big:,} pairs complete; gradient within {GRAD_TARGET} of dense", False)
     tiled = _step("tiled", model, big, sizes, ctx)
     tiled.pop("grads")
     ctx.record(tiled=tiled)
-    measured = (f"tiled {big:,} pairs, d {sizes.dim}: peak {_size(tiled['peak_bytes'])}, "
+    measured = (f"tiled {big:,} pairs, d {sizes.dim}: peak {size_text(tiled['peak_bytes'])}, "
                 f"{tiled['seconds']:.1f} s ({tiled['ns_per_pair']:,.0f} ns/pair); at {dense['pairs']:,} "
-                f"pairs: dense {_size(dense['peak_bytes'])}, {dense['ns_per_pair']:,.0f} ns/pair, tiled "
-                f"{_size(same['peak_bytes'])}, {same['ns_per_pair']:,.0f} ns/pair; gradient rel. L2 "
+                f"pairs: dense {size_text(dense['peak_bytes'])}, {dense['ns_per_pair']:,.0f} ns/pair, tiled "
+                f"{size_text(same['peak_bytes'])}, {same['ns_per_pair']:,.0f} ns/pair; gradient rel. L2 "
                 f"tiled vs dense {error:.1e}")
     return Outcome(measured, f"{big:,} pairs complete; gradient within {GRAD_TARGET} of dense (rel. L2)",
                    error <= GRAD_TARGET)
