@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -10,7 +10,8 @@ from torch.nn.utils import get_total_norm
 
 from gradaccum.core.window import is_one
 
-__all__ = ["grads_of", "grads_used_anywhere", "group_by_device", "scale_and_clip_", "scale_grads_", "version"]
+__all__ = ["grads_of", "grads_used_anywhere", "graph_nodes", "group_by_device", "scale_and_clip_",
+           "scale_grads_", "version"]
 
 
 def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,3 +115,17 @@ def scale_and_clip_(
 def version(t: torch.Tensor) -> int:
     """The in-place version counter of a tensor's values (an FSDP2 DTensor's: its local shard's)."""
     return int(getattr(t, "_local_tensor", t)._version)
+
+
+def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
+    """Every node of the autograd graph reachable from ``roots`` (``grad_fn`` nodes; None is
+    skipped), each once, depth first; a leaf's ``AccumulateGrad`` node holds it as ``variable``."""
+    seen: set[Any] = set()
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(fn for fn, _ in node.next_functions)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.torch._grads import version
+from gradaccum.torch._grads import graph_nodes, version
 
 __all__ = ["GradsBefore", "LossGrads", "loss_params", "partial_cause", "put_back", "refuse_partial"]
 
@@ -39,21 +39,8 @@ def loss_params(loss: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torc
     the parameters ``loss_fn`` used (its graph ends at the representations' leaves, so the walk
     covers the loss's own operations only)."""
     mine = {id(t) for t in leaves}
-    found: list[torch.Tensor] = []
-    seen: set[Any] = set()
-    todo: list[Any] = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if isinstance(variable, torch.Tensor):
-            if id(variable) not in mine:
-                found.append(variable)
-            continue
-        todo.extend(fn for fn, _ in node.next_functions)
-    return found
+    leaf_nodes = (getattr(node, "variable", None) for node in graph_nodes([loss.grad_fn]))
+    return [v for v in leaf_nodes if isinstance(v, torch.Tensor) and id(v) not in mine]
 
 
 class LossGrads:

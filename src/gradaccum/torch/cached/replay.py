@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from gradaccum.torch._grads import graph_nodes
+
 __all__ = ["NormStats", "RngStates", "untracked_batchnorm"]
 
 _RUNNING = ("running_mean", "running_var", "num_batches_tracked")
@@ -90,16 +92,9 @@ def untracked_batchnorm(outputs: list[torch.Tensor], stats: NormStats) -> bool:
 
     Walks the autograd graph once (``backward_cached`` does it on its first call only).
     """
-    seen: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in graph_nodes(t.grad_fn for t in outputs):
         if "BatchNorm" in type(node).__name__ and getattr(node, "_saved_training", False):
             running = getattr(node, "_saved_running_mean", None)
             if isinstance(running, torch.Tensor) and not stats.covers(running):
                 return True
-        todo.extend(fn for fn, _ in node.next_functions)
     return False
