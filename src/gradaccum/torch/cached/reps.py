@@ -167,7 +167,7 @@ def check_rows(layout: Layout, rows: Sequence[int | None]) -> None:
                                  "temperature inside loss_fn)")
 
 
-def representations(results: list[Any], n: Any, sync: GradSync, rows: Sequence[int | None] | None = None
+def representations(results: list[Any], n: Any, sync: GradSync, rows: Sequence[int | None]
                     ) -> tuple[Layout, list[torch.Tensor], list[int], Any]:
     """What ``loss_fn`` takes, from what ``encode`` returned for each chunk.
 
@@ -191,8 +191,7 @@ def representations(results: list[Any], n: Any, sync: GradSync, rows: Sequence[i
     try:
         per_chunk = [as_outputs(r, i) for i, r in enumerate(results)]
         layout = Layout.of(results, per_chunk)
-        if rows is not None:
-            check_rows(layout, rows)
+        check_rows(layout, rows)
     except (TypeError, ValueError) as e:
         if world == 1:
             raise
