@@ -10,6 +10,7 @@ then change state.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from numbers import Integral, Real
 from typing import Any
 
@@ -109,13 +110,13 @@ def check_nonneg_int(name: str, value: Any, *, fix: str | None = None) -> int:
 
 def _check_int(name: str, value: Any, least: int, fix: str | None) -> int:
     """``value`` as an ``int`` if it is an integer >= ``least`` (1: positive, 0: non-negative)."""
+    if _is_int(value) and value >= least:
+        return int(value)
     kind = "a positive integer" if least == 1 else "a non-negative integer"
-    fix = fix or _default_fix(name, "an int", int_example(value, least))
+    fix = fix or _default_fix(name, "an int", int_example(value, least))  # worded only for an error
     if not _is_int(value):
         raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__}): {fix}")
-    if value < least:
-        raise ValueError(f"{name} must be {kind}{' (>= 1)' if least == 1 else ''}, got {value!r}: {fix}")
-    return int(value)
+    raise ValueError(f"{name} must be {kind}{' (>= 1)' if least == 1 else ''}, got {value!r}: {fix}")
 
 
 def check_positive_float(name: str, value: Any, *, fix: str | None = None) -> float:
@@ -138,13 +139,7 @@ def check_positive_float(name: str, value: Any, *, fix: str | None = None) -> fl
         >>> check_positive_float("clip_norm", 1)
         1.0
     """
-    number = _number(value)
-    fix = fix or _default_fix(name, "a number", number if number is not None and number > 0 else 1.0)
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}): {fix}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}: {fix}")
-    return float(value)
+    return _positive_float(name, value, lambda: fix or _default_fix(name, "a number", _float_example(value)))
 
 
 def check_optional_positive_float(name: str, value: Any, *, fix: str | None = None) -> float | None:
@@ -157,7 +152,21 @@ def check_optional_positive_float(name: str, value: Any, *, fix: str | None = No
     """
     if value is None:
         return None
+    return _positive_float(name, value, lambda: fix or (
+        f"pass a number such as {name}={_float_example(value)!r}, or {name}=None to turn it off"))
+
+
+def _float_example(value: Any) -> float:
+    """``value`` as the positive number it was meant to be (``"1"`` gives 1.0), else 1.0."""
     number = _number(value)
-    example = number if number is not None and number > 0 else 1.0
-    fix = fix or f"pass a number such as {name}={example!r}, or {name}=None to turn it off"
-    return check_positive_float(name, value, fix=fix)
+    return number if number is not None and number > 0 else 1.0
+
+
+def _positive_float(name: str, value: Any, fix: Callable[[], str]) -> float:
+    """``value`` as a ``float`` if it is a finite real number > 0; ``fix()`` words the error's fix
+    (only when there is one)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}): {fix()}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}: {fix()}")
+    return float(value)
