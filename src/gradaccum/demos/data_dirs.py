@@ -143,7 +143,9 @@ def find_mnist(data_dir: str | Path | None = None) -> Path:
             raise MnistNotFoundError(f"MNIST file {missing[0]} not found in {folder} "
                                      f"(`gradaccum data mnist --dir {folder}` downloads the four files)")
         return folder
-    for candidate in (checkout_mnist_dir(), working_checkout_mnist_dir(), mnist_cache_dir()):
+    # each place is looked in only when the ones before it lack the files
+    for where in (checkout_mnist_dir, working_checkout_mnist_dir, mnist_cache_dir):
+        candidate = where()
         if candidate is not None and not missing_mnist_files(candidate):
             return candidate
     raise MnistNotFoundError(_hint())

@@ -9,6 +9,7 @@ Each function gives ``(words, why)`` when its evidence singles the cause out, el
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,13 +70,14 @@ def learning_rate(probes: list[Probe], ref_lr: float, k: int) -> tuple[Said, int
     return None
 
 
-def mixing(probes: list[Probe], model: nn.Module, tol: float) -> Said | None:
-    """The full batch's gradient is no weighting of its micro-batches' own gradients."""
+def mixing(probes: list[Probe], model: Callable[[], nn.Module], tol: float) -> Said | None:
+    """The full batch's gradient is no weighting of its micro-batches' own gradients (``model()``
+    builds the model whose layers are named then)."""
     apart = [p for p in probes if p.parts is not None and len(p.sizes) > 1 and readable(p.parts)
              and solve(p.parts, p.bases["full"], tol) is None]
     if not apart:
         return None
-    found = [(type(m).__name__, name) for name, m in model.named_modules() if m.training and (
+    found = [(type(m).__name__, name) for name, m in model().named_modules() if m.training and (
         isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0))]
     said = "; ".join(words.mixing_layer(kind, name) for kind, name in found) or words.LAYERS
     splits = ", ".join("+".join(map(str, p.sizes)) for p in apart)

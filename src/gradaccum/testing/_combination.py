@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gradaccum.testing._evidence import close
+
 __all__ = ["L2_RULES", "SUPPORT_RULES", "Placed", "Reading", "l2_rule", "read", "readable", "solve",
            "support_rule"]
 
@@ -36,28 +38,32 @@ MIN_CONDITION = 1e-3
 def readable(rows: torch.Tensor) -> bool:
     """Whether the weights of a combination of ``rows`` (the vectors) are fixed by it: the rows are
     clearly independent, and fewer than their entries by 2 at least."""
+    return _scaled(rows) is not None
+
+
+def _scaled(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rows`` in float64 each scaled to norm 1, and their norms, when :func:`readable`; else None."""
     if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[0] + 2 > rows.shape[1]:
-        return False
-    norms = rows.double().norm(dim=1)
+        return None
+    wide = rows.double()
+    norms = wide.norm(dim=1)
     if bool((norms == 0).any()):
-        return False
-    sv = torch.linalg.svdvals(rows.double() / norms[:, None])
-    return float(sv[-1]) >= MIN_CONDITION * float(sv[0])
+        return None
+    scaled = wide / norms[:, None]
+    sv = torch.linalg.svdvals(scaled)
+    return (scaled, norms) if float(sv[-1]) >= MIN_CONDITION * float(sv[0]) else None
 
 
 def solve(columns: torch.Tensor, target: torch.Tensor, tol: float) -> torch.Tensor | None:
     """The weights ``c`` with ``c @ columns == target`` (rows of ``columns``: the vectors), or None
     when ``target`` is no such combination within ``tol`` (of its largest entry), or when the rows
     are not :func:`readable`."""
-    if not readable(columns):
+    found = _scaled(columns)
+    if found is None:
         return None
-    rows = columns.double()
-    norms = rows.norm(dim=1)
-    scaled = rows / norms[:, None]
+    scaled, norms = found
     coef = torch.linalg.lstsq(scaled.T, target.double()[:, None]).solution[:, 0]
-    fitted = coef @ scaled
-    top = max(float(target.abs().max()), float(fitted.abs().max()), 1e-300)
-    if float((fitted - target).abs().max()) > tol * top:
+    if not close(coef @ scaled, target.double(), tol):
         return None
     out: torch.Tensor = coef / norms
     return out

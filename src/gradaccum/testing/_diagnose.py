@@ -130,7 +130,7 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
 def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) -> Finding:
     k = len(c.sizes)
     probes = ctx.probes()
-    mixed = causes.mixing(probes, build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
+    mixed = causes.mixing(probes, lambda: build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
     if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
         also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
         if also is None:

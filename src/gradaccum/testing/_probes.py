@@ -89,9 +89,10 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
         parts = None
         if loss_fn is not None:
             parts = _parts(job, loss_fn, sizes)
-            bases.update(_weightings(job, sizes, parts))
+            weights = _weights(job, sizes, parts, full if clip_norm is not None else None, tol)
+            bases.update({name: w @ parts for name, w in weights.items() if name != "full"})
             if clip_norm is not None:
-                each = _clipped_each(parts, _weights(job, sizes, parts, full, tol), clip_norm)
+                each = _clipped_each(parts, weights, clip_norm)
         probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs))
     return probes
 
@@ -129,11 +130,6 @@ def _weights(job: Job, sizes: tuple[int, ...], parts: torch.Tensor | None = None
         if found is not None:
             out["full"] = found
     return out
-
-
-def _weightings(job: Job, sizes: tuple[int, ...], parts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The micro-batches' gradients, weighted each way."""
-    return {name: w @ parts for name, w in _weights(job, sizes).items()}
 
 
 def _clipped_each(parts: torch.Tensor, weights: dict[str, torch.Tensor],
