@@ -559,14 +559,10 @@ class Accumulator:
             refuse_partial(self._partial, window.micro_step)
         if isinstance(self._sync, (PendingSync, PipelineSync)):
             self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
-        if window.micro_step:
-            self._guard.check(window.micro_step, window.size)
-        else:
-            self._holders.check_first()
-            self._guard.check_first()
+        self._check_grads(window)
 
     def _check_grads(self, window: Window) -> None:
-        """The guards of :meth:`_before_feed` alone, for a ``backward_pipeline`` call (which records
+        """The guards of :meth:`_before_feed`; alone for a ``backward_pipeline`` call (which records
         what they raise as a problem of the call, and raises it on every rank together)."""
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
