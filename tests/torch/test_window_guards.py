@@ -256,38 +256,40 @@ def edit(how, model):
         nn.utils.clip_grad_norm_(model.head.parameters(), 1e-3)
 
 
-@pytest.mark.parametrize("how, after, name, what", [
-    ("mul_", 2, "head.bias", "changed in place"),
-    ("mul_", 3, "head.bias", "changed in place"),
-    ("set to None", 2, "head.bias", "replaced by another tensor"),  # micro-batch 3 made a new one
-    ("set to None", 3, "head.bias", "cleared (set to None)"),
-    ("replaced", 2, "head.bias", "replaced by another tensor"),
-    ("clip_grad_norm_ of the head", 2, "head.weight", "changed in place"),
+@pytest.mark.parametrize("how, after, name, what, at", [
+    ("mul_", 2, "head.bias", "changed in place", 2),  # refused at the next micro-batch
+    ("mul_", 3, "head.bias", "changed in place", 3),
+    ("set to None", 2, "head.bias", "replaced by another tensor", 3),  # micro-batch 3 made a new one
+    ("set to None", 3, "head.bias", "cleared (set to None)", 3),  # refused before the last
+    ("replaced", 2, "head.bias", "replaced by another tensor", 3),
+    ("clip_grad_norm_ of the head", 2, "head.weight", "changed in place", 2),
 ])
 @pytest.mark.parametrize("end", ["backward", "flush"])
 def test_an_unwatched_gradient_edited_mid_window_is_refused_before_the_last_micro_batch(how, after, name,
-                                                                                       what, end):
-    # 1.1e-2 off before: only the probe (body.weight, the first parameter) was watched.
+                                                                                       what, at, end):
+    # 1.1e-2 off in 0.2.x: only the probe (body.weight, the first parameter) was watched. An edit
+    # in place is refused at the next micro-batch, a cleared or replaced gradient before the last.
     model = Net()
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
     x, y = data(16)
-    for i, (xb, yb) in enumerate(zip(x[:12].split(4), y[:12].split(4), strict=True)):
-        acc.backward(ce(model, xb, yb))  # the probe sees nothing of it
+    for i, (xb, yb) in enumerate(zip(x[:4 * at].split(4), y[:4 * at].split(4), strict=True)):
+        acc.backward(ce(model, xb, yb))
         if i + 1 == after:
             edit(how, model)
     before, held = snapshot(model), grads_of(model)
     want = (rf"^the gradient of parameter '{re.escape(name)}' was {re.escape(what)} outside the "
-            r"accumulator during this window \(3 of 4 micro-batches fed\)")
+            rf"accumulator during this window \({at} of 4 micro-batches fed\)")
+    nxt = x[4 * at:4 * at + 4], y[4 * at:4 * at + 4]
     with pytest.raises(RuntimeError, match=want) as err:
         if end == "backward":
-            acc.backward(ce(model, x[12:], y[12:]))
+            acc.backward(ce(model, *nxt))
         else:
             acc.flush()
     assert "acc.discard() this window" in str(err.value)
-    assert acc.micro_step == 3 and same_grads(model, held)
+    assert acc.micro_step == at and same_grads(model, held)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     with pytest.raises(RuntimeError, match=want):  # again, until the window is discarded
-        acc.backward(ce(model, x[12:], y[12:]))
+        acc.backward(ce(model, *nxt))
     acc.discard()
     for xb, yb in zip(x.split(4), y.split(4), strict=True):
         acc.backward(ce(model, xb, yb))
@@ -300,10 +302,9 @@ def test_without_model_the_edited_parameter_is_named_by_its_index():
     x, y = data(12)
     acc.backward(ce(model, x[:4], y[:4]))
     model.head.bias.grad.mul_(2)
-    acc.backward(ce(model, x[4:8], y[4:8]))
     with pytest.raises(RuntimeError, match=r"^the gradient of the optimizer's parameter 3 \(shape \(3,\)\) "
                                            "was changed in place"):
-        acc.backward(ce(model, x[8:], y[8:]))
+        acc.backward(ce(model, x[4:8], y[4:8]))
 
 
 def run_window(feed, model, acc, batches, start=0):
@@ -360,10 +361,9 @@ def test_backward_cached_windows_with_a_learnable_temperature_are_not_taken_for_
             acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=seed), 5))
     assert acc.optimizer_steps == 2
     acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=7), 5))
-    model.text[2].bias.grad.mul_(3)  # the probe is logit_scale (the first parameter)
-    acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=8), 5))
+    model.text[2].bias.grad.mul_(3)  # not the first parameter (logit_scale)
     with pytest.raises(RuntimeError, match=r"gradient of parameter 'text\.2\.bias' was changed in place"):
-        acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=9), 5))
+        acc.backward_cached(lambda c: model(*c), loss, gradaccum.chunks(pairs(12, seed=8), 5))
 
 
 class Reentrant(nn.Module):
@@ -406,53 +406,161 @@ def test_reentrant_checkpointing_of_a_shared_layer_is_not_taken_for_an_edit(feed
     assert all(not p._post_accumulate_grad_hooks for p in twin.parameters())
 
 
+class StackedExperts(nn.Module):
+    """An MoE layer written as many are: the experts' weights combined in the forward with
+    ``torch.stack`` (or ``torch.cat``), so their gradients are views of one buffer sharing one
+    version counter; a router picks one expert per row."""
+
+    def __init__(self, combine: str = "stack", experts: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(6, experts).double()
+        self.experts = nn.ModuleList(nn.Linear(6, 3).double() for _ in range(experts))
+        self.combine = combine
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        if self.combine == "stack":
+            w = torch.stack([e.weight for e in self.experts])
+            b = torch.stack([e.bias for e in self.experts])
+        else:
+            w = torch.cat([e.weight for e in self.experts]).view(len(self.experts), 3, 6)
+            b = torch.cat([e.bias for e in self.experts]).view(len(self.experts), 3)
+        pick = self.router(x).argmax(-1)
+        gate = torch.softmax(self.router(x), -1).gather(1, pick[:, None])
+        return gate * (torch.einsum("noi,ni->no", w[pick], x) + b[pick])
+
+
+class VaryingDepth(nn.Module):
+    """A shared block under reentrant checkpointing, applied as often as the micro-batch says."""
+
+    def __init__(self, reentrant: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Linear(6, 6).double()
+        self.out = nn.Linear(6, 3).double()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        for _ in range(depth):
+            x = (checkpoint(self.block, x.requires_grad_(), use_reentrant=True) if self.reentrant
+                 else self.block(x)).tanh()
+        return self.out(x)
+
+
+@pytest.mark.parametrize("combine", ["stack", "cat"])
+@pytest.mark.parametrize("steps", [3, 4])
+def test_experts_combined_with_stack_or_cat_train_exactly(combine, steps):
+    # Refused at micro-batch 3 on b6bbc83 ("the gradient of 'experts.0.bias' was changed in
+    # place"): one addition into any expert advances the counter all of them share.
+    model = StackedExperts(combine)
+    ref = clone_model(model)
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), steps,
+                                model=model, clip_norm=0.5)
+    x, y = data(8 * steps * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for xb, yb in zip(x.split(8), y.split(8), strict=True):
+            acc.backward(ce(model, xb, yb))
+    assert acc.optimizer_steps == 3
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    reference_steps(ref, ropt, list(zip(x.split(8 * steps), y.split(8 * steps), strict=True)), clip_norm=0.5)
+    assert_params_close(model, ref, torch.float64)
+    # and an edit of one expert's gradient is still refused, naming it
+    acc.backward(ce(model, x[:8], y[:8]))
+    model.experts[1].weight.grad.mul_(2)
+    with pytest.raises(RuntimeError, match=r"^the gradient of parameter 'experts\.0\.weight' was changed in "
+                                           r"place \(or one of parameter 'experts\.1\.weight', .*views of"):
+        acc.backward(ce(model, x[8:16], y[8:16]))
+
+
+@pytest.mark.parametrize("feed", ["backward", "micro_batch"])
+def test_a_reentrant_depth_that_varies_between_micro_batches_trains_exactly(feed):
+    # Refused at micro-batch 4 on b6bbc83: the additions per pass were counted in the run's first
+    # micro-batch only (depth 1 there, 2 later).
+    model, twin = VaryingDepth(), VaryingDepth(reentrant=False)
+    depths = [1, 1, 2, 3, 2, 1, 1, 3]
+    x, y = data(4 * len(depths))
+    accs = [gradaccum.Accumulator(torch.optim.SGD(m.parameters(), lr=LR), 4, model=m) for m in (model, twin)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m, acc in zip((model, twin), accs, strict=True):
+            for d, xb, yb in zip(depths, x.split(4), y.split(4), strict=True):
+                if feed == "backward":
+                    acc.backward(ce(m, xb, yb, depth=d))
+                else:
+                    with acc.micro_batch() as mb:
+                        mb.backward(ce(m, xb[:2], yb[:2], depth=d) / 2)
+                        mb.backward(ce(m, xb[2:], yb[2:], depth=4 - d) / 2)
+    assert accs[0].optimizer_steps == 2
+    assert_params_close(model, twin, torch.float64)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_gan_whose_generator_step_reaches_the_discriminator_names_that_backward(steps):
+    # b6bbc83 said "zero_grad(), clipping or scaling gradients yourself" (steps=3) or "your own
+    # loss.backward() before the loop" (steps=1): G's backward through a D that still requires
+    # grad adds into D's open window.
+    torch.manual_seed(0)
+    g_net, d_net = nn.Linear(4, 6).double(), nn.Linear(6, 1).double()
+    acc_d = gradaccum.Accumulator(torch.optim.SGD(d_net.parameters(), lr=LR), steps, model=d_net)
+    acc_g = gradaccum.Accumulator(torch.optim.SGD(g_net.parameters(), lr=LR), steps, model=g_net)
+    real, z = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    fake = g_net(z)
+    acc_d.backward(bce(d_net(real), torch.ones(4, 1, dtype=torch.float64))
+                   + bce(d_net(fake.detach()), torch.zeros(4, 1, dtype=torch.float64)))
+    acc_g.backward(bce(d_net(fake), torch.ones(4, 1, dtype=torch.float64)))  # D not frozen
+    with pytest.raises(RuntimeError, match=r"Another accumulator fed a micro-batch since this one's "
+                                           r"last.*a GAN's generator step through a discriminator"):
+        acc_d.backward(bce(d_net(real), torch.ones(4, 1, dtype=torch.float64)))
+    # frozen during G's step, it trains
+    acc_d.discard()
+    acc_g.discard()
+    done = acc_d.optimizer_steps, acc_g.optimizer_steps  # steps=1: the first windows stepped
+    for _ in range(2 * steps):
+        fake = g_net(z)
+        acc_d.backward(bce(d_net(real), torch.ones(4, 1, dtype=torch.float64))
+                       + bce(d_net(fake.detach()), torch.zeros(4, 1, dtype=torch.float64)))
+        d_net.requires_grad_(False)
+        acc_g.backward(bce(d_net(fake), torch.ones(4, 1, dtype=torch.float64)))
+        d_net.requires_grad_(True)
+    assert (acc_d.optimizer_steps - done[0], acc_g.optimizer_steps - done[1]) == (2, 2)
+
+
 def test_an_edit_of_a_gradient_added_into_twice_per_pass_is_still_refused():
     model = Reentrant()
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
     x, y = data(16)
-    for xb, yb in zip(x[:12].split(4), y[:12].split(4), strict=True):
+    for xb, yb in zip(x[:8].split(4), y[:8].split(4), strict=True):
         acc.backward(ce(model, xb, yb))
-        if acc.micro_step == 2:
-            model.shared.bias.grad.mul_(2)  # (not the probe) one version beyond two passes of two additions
+    model.shared.bias.grad.mul_(2)
     with pytest.raises(RuntimeError, match=r"^the gradient of parameter 'shared\.bias' was changed in place"):
-        acc.backward(ce(model, x[12:], y[12:]))
+        acc.backward(ce(model, x[8:12], y[8:12]))
 
 
-def test_a_plain_model_is_counted_once_then_never_again():
+@pytest.mark.parametrize("feed", ["backward", "micro_batch", "raised, then discard", "raised, then dropped"])
+def test_no_hook_or_wrapper_is_ever_left_on_a_parameter(feed):
+    # b6bbc83 counted additions with register_post_accumulate_grad_hook in the first micro-batch:
+    # removing the handles left torch's per-parameter wrapper (``_post_accumulate_grad_hooks`` an
+    # empty dict, not None), entered on every later backward for the life of the model.
     model = Net()
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
     x, y = data(8)
-    hooks = []
-    for xb, yb in zip(x.split(2), y.split(2), strict=True):
-        with acc.micro_batch() as mb:
-            hooks.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()))
-            mb.backward(ce(model, xb, yb))
-    assert hooks == [6, 0, 0, 0]  # the first window's first micro-batch: one hook per parameter
-
-
-def test_a_first_micro_batch_that_raised_leaves_no_hook_behind():
-    # The additions are counted by hooks during the first micro-batch: one that raised takes them
-    # off at discard(), or when its accumulator is dropped without one.
-    model = Net()
-    x, y = data(4)
-
-    def boom(_):
-        raise RuntimeError("boom")
-
-    for end in ("discard", "drop"):
-        acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 2, model=model)
-        handle = model.body.weight.register_hook(boom)
+    if feed.startswith("raised"):
+        out = model(x)
+        out.register_hook(lambda _: (_ for _ in ()).throw(RuntimeError("boom")))  # after head's grads
         with pytest.raises(RuntimeError, match="boom"):
-            acc.backward(ce(model, x, y))
-        handle.remove()
-        assert any(p._post_accumulate_grad_hooks for p in model.parameters())  # still counting
-        if end == "discard":
+            acc.backward(nn.functional.cross_entropy(out, y))
+        if feed.endswith("discard"):
             acc.discard()
         else:
             del acc
             gc.collect()
-        assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-        model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+    else:
+        run_window(feed, model, acc, zip(x.split(2), y.split(2), strict=True))
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    assert all(p._backward_hooks is None for p in model.parameters())
 
 
 def test_accum_dtype_buffers_are_not_checked_and_not_taken_for_an_edit():

@@ -7,8 +7,10 @@ change ``steps`` (by optimizer step or by epoch), ``set_epoch`` and ``resize_win
 followed by a reload: a state the accumulator wrote always loads), clipping, an LR scheduler and
 a GradScaler that overflows on chosen micro-batches) through :class:`gradaccum.Accumulator` on a
 tiny float64 linear model and through :mod:`tests.torch.window_model`, which shares no code with
-the accumulator. After every operation the parameters (to 1e-12), the counters, the window loss
-and the return values agree, and an operation that completes no window leaves the parameters
+the accumulator. Each micro-batch's forward takes one of the shapes of ``SHAPES`` (the gradients
+views of one buffer; reentrant checkpoint segments of a depth that varies between micro-batches).
+After every operation the parameters (to 1e-12), the counters, the window loss and the return
+values agree, and an operation that completes no window leaves the parameters
 bitwise unchanged.
 
 Profiles (tests/conftest.py): ``ci`` (the default: derandomized, 200 sequences) and ``slow``
@@ -27,6 +29,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.utils.checkpoint import checkpoint
 
 import gradaccum
 from tests.torch.window_model import D_IN, D_OUT, LR, Piece, Reference
@@ -59,10 +62,32 @@ def count(form: str, value: float) -> Any:
     return torch.tensor(value, dtype=dtype)
 
 
+# How a micro-batch's forward reaches the parameters (the same function of them): directly; through
+# one tensor cat from both, whose backward leaves their gradients views of one buffer (one version
+# counter, as an MoE layer's torch.stack of its experts); or as d reentrant checkpoint segments of
+# 1/d of the output each, d additions into each gradient per pass, the depth varying by micro-batch.
+SHAPES = ("plain", "views", "reentrant 1", "reentrant 2", "reentrant 3")
+
+
+def forward(model: torch.nn.Linear, x: torch.Tensor, shape: str) -> torch.Tensor:
+    """``model(x)`` computed as ``shape`` says."""
+    if shape == "views":
+        flat = torch.cat([model.weight.reshape(-1), model.bias])
+        w, b = flat[: model.weight.numel()].view_as(model.weight), flat[model.weight.numel():]
+        return torch.nn.functional.linear(x, w, b)
+    if shape.startswith("reentrant"):
+        depth = int(shape.split()[1])
+        x = x.requires_grad_()
+        return sum(checkpoint(lambda t: model(t) / depth, x, use_reentrant=True)  # type: ignore[misc]
+                   for _ in range(depth))
+    return model(x)
+
+
 def torch_loss(model: torch.nn.Linear, piece: Piece) -> torch.Tensor:
     x, y = (torch.from_numpy(a) for a in piece.data())
     mask = torch.tensor(piece.mask, dtype=torch.float64)
-    loss = piece.coef * 0.5 * (((model(x) - y) * mask) ** 2).sum()
+    out = forward(model, x, SHAPES[piece.seed % len(SHAPES)])
+    loss = piece.coef * 0.5 * (((out - y) * mask) ** 2).sum()
     return loss / piece.k if piece.mean else loss
 
 

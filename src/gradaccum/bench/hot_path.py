@@ -27,11 +27,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradaccum
 
-__all__ = ["LOOPS", "STEPS", "OpCounter", "make_loops", "ops_per_micro_step", "window_checks"]
+__all__ = ["GPT_CONFIG", "LOOPS", "STEPS", "OpCounter", "make_loops", "ops_per_micro_step",
+           "python_calls_per_micro_step", "window_checks"]
 
 STEPS = 4
 LOOPS = ("hand mean", "gradaccum mean", "hand tokens", "gradaccum int", "gradaccum tensor")
 IGNORE = -100
+
+
+def _gpt_config() -> Any:
+    from gradaccum.demos.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=256, block_size=32, n_layer=12, n_head=2, n_embd=32)
+
+
+GPT_CONFIG = _gpt_config()  # 148 parameter tensors, as GPT-2 small (a head tied to the embedding)
 
 
 class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -56,8 +66,15 @@ class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def _batches(model: str, micro: int) -> tuple[Callable[[], nn.Module], list[tuple[Any, ...]]]:
     """A model factory and ``STEPS`` micro-batches ``(x, y, labels)``; labels carry padding."""
     g = torch.Generator().manual_seed(0)
-    if model == "trivial":
-        build: Callable[[], nn.Module] = lambda: nn.Linear(4, 3)  # noqa: E731
+    if model == "gpt":
+        from gradaccum.demos.gpt import GPT
+
+        build: Callable[[], nn.Module] = lambda: _Logits(GPT(GPT_CONFIG))  # noqa: E731
+        xs = [torch.randint(0, GPT_CONFIG.vocab_size, (micro, GPT_CONFIG.block_size), generator=g)
+              for _ in range(STEPS)]
+        classes = GPT_CONFIG.vocab_size
+    elif model == "trivial":
+        build = lambda: nn.Linear(4, 3)  # noqa: E731
         xs = [torch.randn(micro, 4, generator=g) for _ in range(STEPS)]
         classes = 3
     else:
@@ -68,18 +85,33 @@ def _batches(model: str, micro: int) -> tuple[Callable[[], nn.Module], list[tupl
         classes = 10
     batches = []
     for x in xs:
-        y = torch.randint(0, classes, (micro,), generator=g)
+        items = x.numel() if model == "gpt" else micro  # gpt: a label per token
+        y = torch.randint(0, classes, (items,), generator=g)
         labels = y.clone()
-        labels[: micro // 4] = IGNORE  # some padding, so the counts are real counts
+        labels[: len(y) // 4] = IGNORE  # some padding, so the counts are real counts
         batches.append((x, y, labels))
     return build, batches
+
+
+class _Logits(nn.Module):
+    """A language model's logits flattened to ``[tokens, vocab]`` (the loops' cross-entropy)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm(idx)[0]
+        return logits.reshape(-1, logits.shape[-1])
 
 
 def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[], None]]:
     """The five loops of the module docstring, each running one window when called.
 
     Args:
-        model: ``"trivial"`` (a 4-3 Linear: the overhead shows) or ``"mlp"`` (the seed's MLP).
+        model: ``"trivial"`` (a 4-3 Linear: the overhead shows), ``"mlp"`` (the seed's MLP) or
+            ``"gpt"`` (a 12-layer nanoGPT of GPT-2 small's 148 parameter tensors, narrow:
+            :data:`GPT_CONFIG`; ``micro`` sequences of its block size).
         micro: items per micro-batch.
     """
     build, batches = _batches(model, micro)
@@ -87,6 +119,7 @@ def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[],
     loops: dict[str, Callable[[], None]] = {}
 
     def hand(mean: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
         m = build()
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
 
@@ -107,6 +140,7 @@ def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[],
         return run
 
     def accumulated(kind: str) -> Callable[[], None]:
+        torch.manual_seed(0)
         m = build()
         acc = gradaccum.Accumulator(torch.optim.SGD(m.parameters(), lr=0.01), STEPS)
         ints = [int((labels != IGNORE).sum()) for _, _, labels in batches]  # known up front
@@ -129,6 +163,33 @@ def make_loops(model: str = "trivial", micro: int = 8) -> dict[str, Callable[[],
     return loops
 
 
+def python_calls_per_micro_step(run: Callable[[], None], windows: int = 2) -> float:
+    """Python-level calls (functions and builtins, ``sys.setprofile``'s call events) per
+    micro-step of ``run``, after one window's warm-up: what runs in Python around and inside each
+    backward (a hook on a parameter shows here on every backward).
+
+    Example:
+        >>> python_calls_per_micro_step(make_loops()["hand mean"]) > 0
+        True
+    """
+    import sys
+
+    run()
+    count = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(windows):
+            run()
+    finally:
+        sys.setprofile(None)
+    return count[0] / (windows * STEPS)
+
+
 def ops_per_micro_step(run: Callable[[], None], windows: int = 3) -> float:
     """Aten ops per micro-step of ``run`` (one window a call), after one window's warm-up."""
     run()
@@ -139,22 +200,23 @@ def ops_per_micro_step(run: Callable[[], None], windows: int = 3) -> float:
 
 
 def window_checks(tensors: int, repeats: int = 2000) -> dict[str, float]:
-    """Microseconds of the accumulator's once-per-window gradient checks (torch/_window_grads.py)
-    for a model of ``tensors`` parameter tensors, medians of ``repeats`` interleaved rounds: the
-    stale-gradient check at a window's first micro-batch (every ``.grad`` None, as after a
-    boundary), the record after it and the check before the last (every ``.grad`` present).
+    """Microseconds of the accumulator's gradient checks (torch/_window_grads.py) for a model of
+    ``tensors`` parameter tensors, medians of ``repeats`` interleaved rounds: the stale-gradient
+    check at a window's first micro-batch (every ``.grad`` None, as after a boundary), the note
+    after a micro-batch, the check before a later one and the check before the last (every
+    ``.grad`` present), and what a window of ``STEPS`` takes of them.
 
     Example:
         >>> sorted(window_checks(2, repeats=3))
-        ['check', 'record', 'stale check']
+        ['check', 'last check', 'note', 'per window', 'stale check']
     """
     from gradaccum.bench.measure import interleaved
     from gradaccum.torch._window_grads import WindowGrads
 
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)], *[nn.LayerNorm(4)][: tensors % 2])
     checks = WindowGrads(list(model.parameters()), None, exact=True)  # as an accumulator's guard makes it
-    model(torch.randn(2, 4)).pow(2).mean().backward()  # every .grad present, the record taken
-    checks.record(1)
+    model(torch.randn(2, 4)).pow(2).mean().backward()  # every .grad present
+    checks.note()
     grads = [p.grad for p in model.parameters()]
 
     def stale() -> None:
@@ -170,12 +232,14 @@ def window_checks(tensors: int, repeats: int = 2000) -> dict[str, float]:
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
 
-    def check() -> None:
-        checks.record(1)
-        checks.check(1, 2)
-
-    t = interleaved({"stale": stale, "unset": unset, "record": lambda: checks.record(1), "check": check},
-                    repeats=repeats, calls=1)
+    t = interleaved({"stale": stale, "unset": unset, "note": checks.note,
+                     "check": lambda: checks.check(1, STEPS, False),
+                     "last": lambda: checks.check(STEPS - 1, STEPS, True)}, repeats=repeats, calls=1)
     us = {name: t.median(name) * 1e6 for name in t.samples}
-    return {"stale check": max(us["stale"] - us["unset"], 0.0), "record": us["record"],
-            "check": max(us["check"] - us["record"], 0.0)}
+    out = {"stale check": max(us["stale"] - us["unset"], 0.0), "note": us["note"], "check": us["check"],
+           "last check": us["last"]}
+    # A window: the stale check, a note after each micro-batch but the last, a check before each
+    # later one but the last, and the last check.
+    out["per window"] = (out["stale check"] + (STEPS - 1) * out["note"] + (STEPS - 2) * out["check"]
+                         + out["last check"])
+    return out

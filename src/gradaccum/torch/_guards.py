@@ -9,14 +9,12 @@ scheduler the accumulator steps too. Nothing fails, the training is just wrong. 
 * a **step pre-hook** on the optimizer refuses a step the accumulator does not make while its
   window is open: a ``RuntimeError`` before the optimizer changes anything. (A step after a
   boundary, with every gradient ``None``, changes nothing and passes.)
-* a **probe** on one parameter's ``.grad``: its version counter is read after each micro-batch's
-  backward and compared before the next one. ``zero_grad()`` (``None``), ``zero_grad(set_to_none=
-  False)`` or an in-place change such as per-micro-batch clipping shows as another version, and
-  the next micro-batch is refused before its backward. Reads of two attributes per micro-step, no
-  kernel. Where the window's gradients do not live in ``.grad`` (FSDP2 with ``sync="window"``,
-  ``accum_dtype`` buffers), the probe finds no gradient and checks nothing.
-* every parameter's gradient, once per window (``torch/_window_grads.py``): none left over at the
-  window's first micro-batch, none changed outside the accumulator before its last.
+* every parameter's gradient (``torch/_window_grads.py``): none left over at a window's first
+  micro-batch; between the accumulator's calls none changed (its version counter read after each
+  micro-batch and compared before the next: ``zero_grad()``, ``zero_grad(set_to_none=False)``,
+  per-micro-batch clipping, ``grad.mul_``); before the last, each still the tensor recorded. The
+  next micro-batch is refused before its backward. A read of one attribute per gradient per
+  micro-step, no kernel, nothing left on the parameters.
 * the **scheduler** given as ``scheduler=``: its ``last_epoch`` (an int) is read after the
   accumulator's own step (or at the first window's first micro-batch), and again at the next
   window's first micro-batch and at the boundary, before anything changes. A count that moved
@@ -69,9 +67,6 @@ class Guard:
 
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
-        self._params = params
-        self._probe: torch.Tensor | None = None  # None: the window's first note() is to come
-        self._seen = -1  # the probe's .grad version after the last backward (-1: none)
         self._own = False
         self.grads = WindowGrads(params, model, exact)
         self._scheduler = scheduler
@@ -123,33 +118,9 @@ class Guard:
             self.check_scheduler("nothing has changed")
 
     def note(self) -> None:
-        """After a micro-batch's backward: remember the probe's gradient version (and, after a
-        window's first micro-batch, every gradient: :class:`WindowGrads`)."""
-        p = self._probe
-        if p is None:
-            p = self._start()
-        g = p.grad
-        self._seen = -1 if g is None else g._version
-
-    def note_passes(self, passes: int, more: Sequence[torch.Tensor] = ()) -> None:
-        """:meth:`note` for a micro-batch of ``passes`` backward passes (not one), and one more
-        into each parameter of ``more``."""
-        self.grads.add_passes(passes, more)
-        self.note()
-
-    def _start(self, fed: int | None = None) -> torch.Tensor:
-        """The window's first note: record every gradient (``fed``: micro-batches in the window,
-        by default the one being committed), pick the probe (the first parameter holding a
-        gradient; the first parameter when none does, which then checks nothing)."""
-        if fed is None:
-            acc = self._owner()
-            fed = 1 if acc is None else acc.micro_step + 1  # note() runs before the commit
-        self.grads.record(fed)
-        p = next((q for q in self._params if q.grad is not None), None)
-        if p is None:
-            p = self._params[0] if self._params else torch.empty(0)
-        self._probe = p
-        return p
+        """After a micro-batch's backward (one call of the accumulator, whatever passes it ran):
+        remember the window's gradients as they are (:class:`WindowGrads`)."""
+        self.grads.note()
 
     def resume(self, micro_step: int) -> None:
         """After ``load_state_dict``: record the loaded window's gradients (none when empty);
@@ -157,8 +128,7 @@ class Guard:
         self.forget()
         self._scheduled = None
         if micro_step:
-            self._start(micro_step)
-            self.note()
+            self.grads.note()
 
     def set_exact(self, exact: bool) -> None:
         """The accumulator's sync changed (a pipeline attached at its first ``backward_pipeline``):
@@ -167,29 +137,17 @@ class Guard:
 
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""
-        self._seen = -1
-        self._probe = None
         self.grads.forget()
 
     def check(self, micro_step: int, steps: int) -> None:
         """Before a later micro-batch's backward: raise if the window's gradients changed
-        outside the accumulator since the last one (the probe; every gradient before the last).
+        outside the accumulator since the last one (and, before the last, if one was cleared or
+        replaced).
 
         Raises:
-            RuntimeError: naming the likely calls and what to do.
+            RuntimeError: naming the parameter or the likely calls, and what to do.
         """
-        if self._seen >= 0:
-            g = self._probe.grad  # type: ignore[union-attr]
-            if g is None or g._version != self._seen:
-                what = "cleared" if g is None else "changed in place"
-                raise RuntimeError(
-                    f"the window's gradients were {what} outside the accumulator after micro-batch "
-                    f"{micro_step} of {steps}: optimizer.zero_grad() or model.zero_grad() (or clipping "
-                    "the gradients) inside an open window. The accumulator clears, clips and steps "
-                    "once per window, when acc.backward() completes it: remove those calls, then "
-                    "acc.discard() this window (its gradients are lost)")
-        if micro_step + 1 >= steps:
-            self.grads.check(micro_step, steps)
+        self.grads.check(micro_step, steps, micro_step + 1 >= steps)
 
     def step_scheduler(self, scheduler: Any) -> None:
         """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises);
@@ -229,10 +187,8 @@ class Guard:
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
-        optimizer when the next accumulator is made. A count of additions still running (a
-        first micro-batch that raised, never discarded) stops: its hooks leave the parameters."""
+        optimizer when the next accumulator is made."""
         retire(self._handle)
-        self.grads.forget()
 
 
 def _schedule_count(scheduler: Any) -> int | None:

@@ -15,7 +15,6 @@ import torch
 
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
-from gradaccum.torch._guards import Guard
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import check_loss, check_total
@@ -111,15 +110,15 @@ class MicroBatch:
 
 
 @contextmanager
-def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync, guard: Guard,
+def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync,
                commit: Callable[[Window], bool]) -> Iterator[MicroBatch]:
     """One micro-batch of ``window`` fed by the block's ``mb.backward`` calls.
 
     The micro-batch is weighed when the block opens (its count ``n``, checked; ``summed``: the
     losses are sum-reduced), and each loss is backpropagated from its weight through
     ``precision``. When the block ends the :class:`MicroBatch` closes (also on error); without an
-    error, ``guard`` is told of the backward passes run and ``commit(window after the block)``
-    (the accumulator's) returns whether the window stepped (:attr:`MicroBatch.stepped`).
+    error, ``commit(window after the block)`` (the accumulator's) returns whether the window
+    stepped (:attr:`MicroBatch.stepped`).
     """
     term, scale = window_term(window, n, precision.overflow_prone, sync)
     pending = window.advance(term, scale=scale, summed=summed)
@@ -141,6 +140,5 @@ def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync:
         yield mb
     finally:
         mb.closed = True
-    guard.note_passes(len(mb.parts))
     mb.stepped = commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                          terms=add_terms(pending.terms, fed)))

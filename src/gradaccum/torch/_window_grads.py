@@ -1,78 +1,87 @@
-"""Every parameter's gradient, checked once per window: nothing left over at its start, nothing
-changed outside the accumulator before its end.
+"""Every parameter's gradient, checked between the accumulator's calls: nothing left over at a
+window's start, nothing changed outside the accumulator before its end.
 
 * **Stale gradients.** The accumulator clears ``.grad`` (``set_to_none=True``) at every boundary,
   ``discard()`` and load of an empty window, so at a window's first micro-batch a nonzero
   gradient was put there by something else: your own ``loss.backward()`` before the loop, ``.grad``
-  left over from evaluation, a micro-batch that raised half-way and was not discarded. It would
-  be added into the window silently (2x on the first window). :meth:`WindowGrads.check_clean`
-  refuses that micro-batch before its backward; a zero gradient (``zero_grad(set_to_none=
-  False)``) passes. Cost: one pass reading each ``.grad`` (no kernel); a read of the values (a
-  kernel and a host read) only for a gradient that is present, which after the accumulator's own
-  boundary none is.
-* **Every gradient, once per window.** The per-micro-step probe (``torch/_guards.py``) watches one
-  parameter. After the window's first micro-batch :meth:`WindowGrads.record` keeps, for every
-  parameter, its ``.grad`` tensor and that tensor's version counter; before the window's last
-  micro-batch (or ``flush()``), :meth:`WindowGrads.check` wants each to be the same tensor, its
-  version advanced by at most the backward passes fed since (autograd adds into an existing
-  ``.grad`` in place: one version per pass that reaches it, none for a pass that does not). A
-  gradient cleared, replaced, or changed in place (``grad.mul_``, clipping) raises, naming the
-  parameter, before the last micro-batch's backward. The count of passes is what the
-  accumulator ran: one per ``backward``, one per ``mb.backward`` of a ``micro_batch`` block, one
-  per chunk of a ``backward_cached`` call (each chunk's backward adds into the window's
-  gradients in place), and one more there for a parameter ``loss_fn`` uses (its gradient is
-  added in at the last chunk). No cross-rank reduction runs between the record and the check under
-  ``sync="window"`` (DDP and FSDP2 reduce in the last micro-batch's backward, after it); under
-  ``sync="micro_batch"`` (or ``sync="local"`` under a process group of several ranks, where a DDP
-  model not given as ``model=`` reduces every backward itself) each reduction rewrites the
-  gradients, and only a cleared gradient is caught. A gradient held outside ``.grad``
-  (``accum_dtype`` buffers; FSDP2's unsharded sums under ``sync="window"``) is ``None`` when
-  recorded, and not checked. An edit within the passes a parameter skipped (one unused in some
-  micro-batches) goes unseen. Cost: two passes over the parameters per window, reading attributes
-  (no kernel).
-* **Passes that add more than once.** Reentrant activation checkpointing
-  (``checkpoint(..., use_reentrant=True)``) runs a nested backward per checkpointed segment, so a
-  parameter used in k segments (a shared layer, tied weights) takes k additions per pass. The
-  first window's first micro-batch counts each parameter's additions
-  (``register_post_accumulate_grad_hook``, removed after it): a parameter added into more often
-  than the passes allow gets that many versions per pass, and the count is taken again at every
-  later window's first micro-batch (the largest kept). Where no parameter does, it is never
-  counted again.
+  left over from evaluation, a micro-batch that raised half-way and was not discarded, another
+  accumulator's backward through these parameters (a GAN's generator step through a
+  discriminator that still requires grad). It would be added into the window silently (2x on the
+  first window). :meth:`WindowGrads.check_clean` refuses that micro-batch before its backward; a
+  zero gradient (``zero_grad(set_to_none=False)``) passes. Cost: one pass reading each ``.grad``
+  (no kernel); a read of the values (a kernel and a host read) only for a gradient that is
+  present, which after the accumulator's own boundary none is.
+* **Nothing changes between the accumulator's calls.** Autograd adds into ``.grad`` in place
+  during a backward pass, and only then: each in-place addition advances the tensor's version
+  counter. How many additions a pass makes is the model's business (a parameter used in k
+  reentrant checkpoint segments takes k per pass, the depth may change with the input; the
+  gradients of parameters combined by ``torch.stack`` are views of one buffer and share one
+  counter), so no bound on the count is kept. Instead, after every micro-batch the accumulator
+  fed (:meth:`WindowGrads.note`) the versions of the window's gradient tensors are read, and
+  before the next one (:meth:`WindowGrads.check`) they must be the same: whatever advanced them
+  in between ran outside the accumulator (``grad.mul_``, ``zero_grad(set_to_none=False)``,
+  clipping, another backward). Before the window's last micro-batch (or ``flush()``) each
+  parameter's ``.grad`` must also still be the tensor recorded: cleared or replaced raises. Both
+  raise before that micro-batch's backward, naming the parameter. A micro-batch is one call of
+  the accumulator: one ``backward``, a whole ``micro_batch`` block, a whole ``backward_cached`` or
+  ``backward_pipeline`` call (what runs inside it, the block's code between its ``mb.backward``
+  calls included, is not watched). Nothing is left on the parameters (no hook): the cost is a
+  read of one attribute per gradient tensor after each micro-batch and before the next (about 8
+  us for GPT-2 small's 148 tensors), no kernel, no host sync, no Python call inside a backward.
+* **What it cannot see.** An edit through ``p.grad.data`` (``p.grad.data.mul_(2)``) changes the
+  values without advancing the version counter; it is not seen. Nor is a gradient held outside
+  ``.grad`` (``accum_dtype`` buffers; FSDP2's unsharded sums under ``sync="window"``): it is
+  ``None`` when recorded. Under ``sync="micro_batch"`` (or ``sync="local"`` under a process group
+  of several ranks, where a DDP model not given as ``model=`` reduces every backward itself) a
+  reduction may give ``.grad`` another tensor in a backward: only a gradient cleared before the
+  window's last micro-batch is refused there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import operator
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 
 __all__ = ["WindowGrads"]
 
+_VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
+
+# Micro-batches fed by every accumulator of this process: one that moved between two of an
+# accumulator's calls names another accumulator's backward as a likely cause of an edit.
+_FED = [0]
+
+
+def _storage(g: torch.Tensor) -> int:
+    """Where ``g``'s values live (gradients of one buffer share it), or its id."""
+    try:
+        return int(getattr(g, "_local_tensor", g).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return id(g)
+
 
 class WindowGrads:
-    """The two once-per-window checks of one accumulator's gradients.
+    """The gradient checks of one accumulator, between its calls.
 
     Args:
         params: the optimizer's parameters, in order.
         model: the accumulator's ``model=`` (names the parameters in messages), or None.
-        exact: no cross-rank reduction rewrites ``.grad`` before the window's last micro-batch
-            (``torch/_guards.py``'s ``exact_grads``).
+        exact: no cross-rank reduction gives ``.grad`` another tensor before the window's last
+            micro-batch (``torch/_guards.py``'s ``exact_grads``).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], model: Any, exact: bool) -> None:
         self._params = params
         self._model = model
         self.exact = exact
-        self._record: list[tuple[torch.Tensor, int] | None] | None = None
-        self._at = 0  # micro-batches fed when the record was taken
-        self._extra = 0  # backward passes beyond one per micro-batch since then
-        self._more: dict[int, int] = {}  # id(parameter) -> passes into it beyond those
-        self._learn = True  # count additions per pass at the next window's first micro-batch
-        self._per_pass: dict[int, int] = {}  # parameter index -> additions per pass, when > 1
-        self._counts: list[int] | None = None  # additions counted in this first micro-batch
-        self._handles: list[Any] = []
-        self._first: tuple[int, Sequence[torch.Tensor]] = (1, ())  # passes of the first micro-batch
+        self._grads: list[torch.Tensor] | None = None  # the window's gradient tensors (None: none yet)
+        self._index: list[int] = []  # their parameters' indices
+        self._missing: list[int] = []  # parameters without a gradient at the last note
+        self._versions: list[int] = []  # the versions of _grads after the last micro-batch
+        self._fed = _FED[0]  # _FED[0] after this accumulator's last micro-batch or boundary
 
     def check_clean(self) -> None:
         """At a window's first micro-batch, before its backward: no nonzero gradient is there.
@@ -89,129 +98,121 @@ class WindowGrads:
                 raise RuntimeError(
                     f"{self._name(i)} already holds a nonzero gradient at the first micro-batch of a "
                     "window: a gradient the accumulator did not put there (your own loss.backward() "
-                    "before the loop, .grad left over from evaluation, or a micro-batch that raised "
-                    "half-way) would be added into this window. Call optimizer.zero_grad("
-                    "set_to_none=True) before the loop (acc.discard() after a micro-batch that "
-                    "raised); nothing has changed")
-        if self._learn:
-            self._count_additions()
+                    "before the loop, .grad left over from evaluation, a micro-batch that raised "
+                    "half-way, or another accumulator's backward through these parameters, such as "
+                    "a GAN's generator step through a discriminator that still requires grad) would "
+                    "be added into this window. Call optimizer.zero_grad(set_to_none=True) before the "
+                    "loop (acc.discard() after a micro-batch that raised; freeze the other model, "
+                    "requires_grad_(False), during the other accumulator's backward); nothing has "
+                    f"changed.{self._another()}")
 
-    def _count_additions(self) -> None:
-        """Count every parameter's additions into ``.grad`` during the first micro-batch."""
-        self._stop_counting()
-        counts = self._counts = [0] * len(self._params)
+    def note(self) -> None:
+        """After a micro-batch the accumulator fed: keep the window's gradient tensors (at its
+        first) and their versions."""
+        self._mark()
+        grads = self._grads
+        if grads is None:
+            params = self._params
+            present = [i for i, p in enumerate(params) if p.grad is not None]
+            self._index = present
+            self._grads = grads = [params[i].grad for i in present]  # type: ignore[misc]
+            self._missing = [i for i, p in enumerate(params) if p.grad is None] \
+                if len(present) < len(params) else []
+        elif self._missing:
+            self._adopt_missing(grads)
+        self._versions = list(map(_VERSION, grads))
 
-        def added(i: int) -> Callable[[torch.Tensor], None]:
-            def hook(_: torch.Tensor) -> None:
-                counts[i] += 1
-            return hook
-
-        self._handles = [p.register_post_accumulate_grad_hook(added(i))  # type: ignore[no-untyped-call]
-                         for i, p in enumerate(self._params) if p.requires_grad and p.is_leaf]
-
-    def _stop_counting(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def record(self, fed: int) -> None:
-        """After the window's first micro-batch (``fed`` micro-batches in it, more after a load):
-        keep every parameter's gradient tensor and its version (and what was counted)."""
-        self._stop_counting()
-        counts, self._counts = self._counts, None
-        if counts is not None:
-            self._learn_per_pass(counts)
-        self._first = (1, ())
-        self._record = [None if (g := p.grad) is None else (g, g._version) for p in self._params]
-        self._at = fed
-        self._extra = 0
-        self._more = {}
-
-    def _learn_per_pass(self, counts: list[int]) -> None:
-        """Keep, for each parameter added into more often than the first micro-batch's passes,
-        its additions per pass (the largest seen); none such: never count again."""
-        passes, more = self._first
-        extra = {id(p) for p in more}
-        for i, (p, n) in enumerate(zip(self._params, counts, strict=True)):
-            allowed = passes + (id(p) in extra)
-            if n > allowed:
-                self._per_pass[i] = max(self._per_pass.get(i, 1), -(-n // allowed))
-        self._learn = bool(self._per_pass)
-
-    def add_passes(self, passes: int, more: Sequence[torch.Tensor] = ()) -> None:
-        """A micro-batch ran ``passes`` backward passes (``micro_batch``, ``backward_cached``), and
-        one more into each parameter of ``more`` (``loss_fn``'s, in ``backward_cached``)."""
-        if self._record is None:
-            self._first = (passes, more)  # the window's first: what its additions are counted against
-            return
-        self._extra += passes - 1
-        for p in more:
-            self._more[id(p)] = self._more.get(id(p), 0) + 1
+    def _adopt_missing(self, grads: list[torch.Tensor]) -> None:
+        """Parameters that received their first gradient of the window in this micro-batch (an
+        expert routed to only now) are watched from here on."""
+        params, still = self._params, []
+        for i in self._missing:
+            g = params[i].grad
+            if g is None:
+                still.append(i)
+            else:
+                self._index.append(i)
+                grads.append(g)
+        self._missing = still
 
     def forget(self) -> None:
-        """The window closed, was dropped or reloaded: no record (and no count running)."""
-        self._record = None
-        self._stop_counting()
-        self._counts = None
-        self._first = (1, ())
+        """The window closed, was dropped or reloaded: nothing recorded."""
+        self._grads = None
+        self._mark()
 
-    def check(self, fed: int, steps: int) -> None:
-        """Before the window's last micro-batch (or a flush), ``fed`` micro-batches in: every
-        recorded gradient is the same tensor, changed by nothing but the passes since. The record
-        is then dropped (a gradient a reduction replaces is not kept alive); kept if it raises.
+    def _mark(self) -> None:
+        """This accumulator fed a micro-batch or closed a window: count it, for :meth:`_another`."""
+        _FED[0] += 1
+        self._fed = _FED[0]
+
+    def check(self, fed: int, steps: int, last: bool = True) -> None:
+        """Before a later micro-batch of the window (``fed`` of ``steps`` in it): no gradient
+        changed since the last one; before the last (``last``, or a flush) each is still the
+        tensor recorded.
 
         Raises:
-            RuntimeError: naming the parameter and the fix.
+            RuntimeError: naming the parameter (or, when every gradient changed, the likely
+                calls) and the fix; nothing has changed.
         """
-        record = self._record
-        if record is None:
+        grads = self._grads
+        if grads is None:
             return
-        passes = fed - self._at + self._extra
-        if self.exact:
-            for p, was in zip(self._params, record, strict=True):
-                if was is not None and ((g := p.grad) is not was[0]
-                                        or not 0 <= g._version - was[1] <= passes):
-                    break  # out of the plain bound: the exact one (extra passes, additions per pass)
-            else:
-                self._record = None
-                return
-            for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
-                if was is not None and ((g := p.grad) is not was[0]
-                                        or not 0 <= g._version - was[1] <= self._allowed(i, passes)):
-                    self._refuse(record, passes, fed, steps)
-        elif any(was is not None and p.grad is None for p, was in zip(self._params, record, strict=True)):
-            self._refuse(record, passes, fed, steps)
-        self._record = None
+        if grads:
+            params = self._params
+            if params[self._index[0]].grad is None and all(params[i].grad is None for i in self._index):
+                self._refuse_all("cleared", fed, steps)  # zero_grad(): said as such
+            if list(map(_VERSION, grads)) != self._versions:
+                self._refuse_changed(grads, fed, steps)
+        if last:
+            self._check_same(grads, fed, steps)
 
-    def _refuse(self, record: list[tuple[torch.Tensor, int] | None], passes: int, fed: int,
-                steps: int) -> None:
-        """Raise for the first parameter whose gradient the record does not explain."""
-        for i, (p, was) in enumerate(zip(self._params, record, strict=True)):
-            if was is None:
+    def _check_same(self, grads: list[torch.Tensor], fed: int, steps: int) -> None:
+        """Each recorded gradient is still its parameter's ``.grad`` (not exact: not cleared)."""
+        params = self._params
+        for i, g in zip(self._index, grads, strict=True):
+            now = params[i].grad
+            if now is g or (now is not None and not self.exact):
                 continue
-            g = p.grad
-            if g is was[0]:
-                if not self.exact or 0 <= g._version - was[1] <= self._allowed(i, passes):
-                    continue
-                what = "changed in place"
-            elif g is None:
-                what = "cleared (set to None)"
-            elif not self.exact:
-                continue
-            else:
-                what = "replaced by another tensor"
-            raise RuntimeError(
-                f"the gradient of {self._name(i)} was {what} outside the accumulator during this "
-                f"window ({fed} of {steps} micro-batches fed): zero_grad(), clipping or scaling "
-                "gradients yourself, or setting .grad, inside an open window. The accumulator "
-                "clips and steps once per window, when acc.backward() completes it: remove that "
-                "code, then acc.discard() this window (its gradients are lost)")
+            self._refuse_one(i, "cleared (set to None)" if now is None else "replaced by another tensor",
+                             fed, steps)
 
-    def _allowed(self, i: int, passes: int) -> int:
-        """The versions parameter ``i``'s gradient may have advanced: the window's passes and
-        those into it beyond (``loss_fn``'s parameters), times its additions per pass."""
-        bonus = self._more.get(id(self._params[i]), 0) if self._more else 0
-        return (passes + bonus) * self._per_pass.get(i, 1)
+    def _refuse_changed(self, grads: list[torch.Tensor], fed: int, steps: int) -> NoReturn:
+        """Raise for the gradients whose version moved since the last micro-batch."""
+        changed = [j for j, (g, v) in enumerate(zip(grads, self._versions, strict=True)) if g._version != v]
+        if len(changed) == len(grads) > 1:
+            self._refuse_all("changed in place", fed, steps)
+        storage = _storage(grads[changed[0]])
+        views = [self._name(self._index[j]) for j in changed[1:] if _storage(grads[j]) == storage]
+        what = "changed in place" if not views else (
+            f"changed in place (or one of {', '.join(views)}: their gradients are views of one buffer, "
+            "as torch.stack or torch.cat of parameters leaves them, and share one version counter)")
+        self._refuse_one(self._index[changed[0]], what, fed, steps)
+
+    def _another(self) -> str:
+        """A sentence naming another accumulator's backward, when one ran since the last note."""
+        if _FED[0] == self._fed:
+            return ""
+        return (" Another accumulator fed a micro-batch since this one's last: its backward may "
+                "have added into these gradients (a GAN's generator step through a discriminator "
+                "that still requires grad: freeze it, requires_grad_(False), during that backward, "
+                "or detach what the other loss reads from this model).")
+
+    def _refuse_all(self, what: str, fed: int, steps: int) -> NoReturn:
+        raise RuntimeError(
+            f"the window's gradients were {what} outside the accumulator after micro-batch {fed} "
+            f"of {steps}: optimizer.zero_grad() or model.zero_grad() (or clipping the gradients) "
+            "inside an open window, or a backward pass of your own.{} The accumulator clears, "
+            "clips and steps once per window, when acc.backward() completes it: remove those "
+            "calls, then acc.discard() this window (its gradients are lost)".format(self._another()))
+
+    def _refuse_one(self, i: int, what: str, fed: int, steps: int) -> NoReturn:
+        raise RuntimeError(
+            f"the gradient of {self._name(i)} was {what} outside the accumulator during this "
+            f"window ({fed} of {steps} micro-batches fed): zero_grad(), clipping or scaling "
+            "gradients yourself, setting .grad, or a backward pass of your own, inside an open "
+            "window.{} The accumulator clips and steps once per window, when acc.backward() "
+            "completes it: remove that code, then acc.discard() this window (its gradients are "
+            "lost)".format(self._another()))
 
     def _name(self, i: int) -> str:
         """``parameter 'fc.bias'`` when ``model=`` names it, else its index in the optimizer."""

@@ -246,7 +246,6 @@ class Accumulator:
             if not isinstance(n, torch.Tensor):
                 check_total(nxt.items)
             self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
-            self._guard.note()
             return self._commit(nxt)
         finally:
             self._entered = False
@@ -298,7 +297,6 @@ class Accumulator:
                 if self._cached.partial:
                     self._partial = partial_cause(e)
                 raise
-            self._guard.note_passes(self._cached.passes, self._cached.loss_params)
             return self._commit(window)
         finally:
             self._entered = False
@@ -334,7 +332,7 @@ class Accumulator:
         try:
             window = self._window
             self._before_feed(window)
-            with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
+            with feed_block(window, n, reduction == "sum", self._precision, self._sync,
                             self._commit) as mb:
                 self._in_block = True
                 try:
@@ -379,7 +377,6 @@ class Accumulator:
                 self._guard.set_exact(exact_grads(sync))  # reduced at the boundary only (or each call)
             nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
                        self._precision, self.clip_norm, self._check_grads)
-            self._guard.note_passes(sync.n_microbatches)  # a backward per pipeline micro-batch
             stepped = self._commit(nxt)
             sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
             return stepped
@@ -574,6 +571,7 @@ class Accumulator:
         self._window = window
         if window.micro_step >= window.size:
             return self._close_window()
+        self._guard.note()  # the gradients as this micro-batch left them, checked before the next
         if window.micro_step + 1 == window.size:
             # DDP reads the flag in its forward, so it is set before the next micro-batch runs.
             self._sync.prepare(True)

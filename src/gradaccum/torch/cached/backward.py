@@ -121,8 +121,6 @@ class CachedBackward:
         self.checked_norms = False
         self.partial = False
         self._began = False  # the second pass's first backward has started
-        self.passes = 0  # backward passes into .grad of the last call that succeeded
-        self.loss_params: list[torch.Tensor] = []  # its loss_fn's parameters (one pass more)
         self._outside: list[torch.Tensor] | None = None
 
     def run(self, encode: Any, loss_fn: Any, chunks: Any, window: Window, n: Any, summed: bool) -> Window:
@@ -176,9 +174,6 @@ class CachedBackward:
             self.sync.prepare(window.next_is_last)
             raise
         end.restore()
-        # Backward passes that added into the gradients: one per chunk, and one more into loss_fn's
-        # parameters (torch/_window_grads.py bounds each gradient's version by them).
-        self.passes, self.loss_params = len(items), loss_grads.params
         return nxt
 
     # ------------------------------------------------------------------ steps of run
