@@ -69,6 +69,12 @@ class Guard:
                  scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
         self._own = False
         self.grads = WindowGrads(params, model, exact)
+        # The per-micro-step calls go straight to the gradient checks (no call between: the hot
+        # path's Python calls stay 0.3.0's). note(): after a micro-batch, the gradients as it left
+        # them; check(micro_step, steps): before a later one, raises if they changed outside the
+        # accumulator since (and, before the last, if one was cleared or replaced).
+        self.note = self.grads.note
+        self.check = self.grads.check
         self._scheduler = scheduler
         self._scheduled: int | None = None  # the scheduler's last_epoch as the accumulator left it
         ref = weakref.ref(owner)
@@ -117,11 +123,6 @@ class Guard:
         else:
             self.check_scheduler("nothing has changed")
 
-    def note(self) -> None:
-        """After a micro-batch's backward (one call of the accumulator, whatever passes it ran):
-        remember the window's gradients as they are (:class:`WindowGrads`)."""
-        self.grads.note()
-
     def resume(self, micro_step: int) -> None:
         """After ``load_state_dict``: record the loaded window's gradients (none when empty);
         the scheduler's count is read again at the next window."""
@@ -138,16 +139,6 @@ class Guard:
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""
         self.grads.forget()
-
-    def check(self, micro_step: int, steps: int) -> None:
-        """Before a later micro-batch's backward: raise if the window's gradients changed
-        outside the accumulator since the last one (and, before the last, if one was cleared or
-        replaced).
-
-        Raises:
-            RuntimeError: naming the parameter or the likely calls, and what to do.
-        """
-        self.grads.check(micro_step, steps, micro_step + 1 >= steps)
 
     def step_scheduler(self, scheduler: Any) -> None:
         """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises);

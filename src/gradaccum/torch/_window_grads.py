@@ -109,7 +109,8 @@ class WindowGrads:
     def note(self) -> None:
         """After a micro-batch the accumulator fed: keep the window's gradient tensors (at its
         first) and their versions."""
-        self._mark()
+        _FED[0] += 1  # self._mark(), inline: a call less per micro-step
+        self._fed = _FED[0]
         grads = self._grads
         if grads is None:
             params = self._params
@@ -145,10 +146,10 @@ class WindowGrads:
         _FED[0] += 1
         self._fed = _FED[0]
 
-    def check(self, fed: int, steps: int, last: bool = True) -> None:
+    def check(self, fed: int, steps: int, last: bool | None = None) -> None:
         """Before a later micro-batch of the window (``fed`` of ``steps`` in it): no gradient
-        changed since the last one; before the last (``last``, or a flush) each is still the
-        tensor recorded.
+        changed since the last one; before the last (``last``: by default when ``fed + 1 >=
+        steps``; True for a flush) each is still the tensor recorded.
 
         Raises:
             RuntimeError: naming the parameter (or, when every gradient changed, the likely
@@ -163,7 +164,7 @@ class WindowGrads:
                 self._refuse_all("cleared", fed, steps)  # zero_grad(): said as such
             if list(map(_VERSION, grads)) != self._versions:
                 self._refuse_changed(grads, fed, steps)
-        if last:
+        if last or (last is None and fed + 1 >= steps):
             self._check_same(grads, fed, steps)
 
     def _check_same(self, grads: list[torch.Tensor], fed: int, steps: int) -> None:

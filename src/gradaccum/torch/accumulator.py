@@ -399,7 +399,7 @@ class Accumulator:
             refuse_entry("flush")
         refuse_partial(self._partial, self.micro_step)
         try:
-            self._guard.grads.check(self._window.micro_step, self._window.size)
+            self._guard.grads.check(self._window.micro_step, self._window.size, True)
         except RuntimeError as e:
             if not isinstance(self._sync, PipelineSync):
                 raise  # under DDP/FSDP2 on this rank alone (each rank checks its own gradients)
