@@ -186,7 +186,8 @@ def main() -> None:
 
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.lower() != CPU_CAPABILITY:
-        raise SystemExit(f"torch runs with the CPU capability {capability}, not {CPU_CAPABILITY}: not written")
+        raise SystemExit(f"torch runs with the CPU capability {capability}, not {CPU_CAPABILITY}: "
+                         "not written")
     result = {"machine": {**describe_machine(), "cpu_capability": capability.lower()}, "outputs": outputs,
               "benchmark_seconds": time.perf_counter() - start}
     write_results(args.json, result)
