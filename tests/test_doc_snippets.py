@@ -396,8 +396,11 @@ class _InOrder(ast.NodeVisitor):
         for statement in node.body:
             self.visit(statement)
 
-    def visit_FunctionDef(self, node):  # decorators and defaults run now, the body when called
-        for expression in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
+    def visit_FunctionDef(self, node):  # decorators, defaults, annotations now; the body when called
+        arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg,
+                     node.args.kwarg]
+        annotations = [a.annotation for a in arguments if a is not None] + [node.returns]
+        for expression in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults, *annotations]:
             if expression is not None:
                 self.visit(expression)
         self.bound.add(node.name)
@@ -466,7 +469,11 @@ def unsaid_names(blocks):
     above`` and the page's blocks above (back to one that does not continue) define or name it."""
     unsaid, known = [], set()
     for block in blocks:
-        missing = undefined_names(block.code)
+        try:
+            missing = undefined_names(block.code)
+        except SyntaxError as error:
+            unsaid.append(f"{block.where}: not Python ({error.msg}, line {error.lineno})")
+            continue
         said = leading_comment(block.code)
         if not block.continues:
             known = set()
@@ -517,6 +524,11 @@ def test_a_block_that_needs_a_name_it_does_not_say_is_found(first, second, unsai
     assert unsaid_names(blocks) == unsaid
 
 
+def test_a_block_that_is_not_python_is_found():
+    assert unsaid_names(blocks_of("```python\n>>> print(1)\n```\n", "p.md")) == [
+        "p.md:1: not Python (invalid syntax, line 1)"]
+
+
 def test_what_a_block_needs_reads_functions_classes_and_comprehensions():
     code = textwrap.dedent("""
         import torch as t
@@ -529,5 +541,8 @@ def test_what_a_block_needs_reads_functions_classes_and_comprehensions():
         print(total, Net, len, [n for n in names])
         model, opt = prepare(model, t.optim.SGD([], lr=0.1))
         count += 1
+        def step(batch: Batch = default) -> None:
+            return opt, batch
         """)
-    assert undefined_names(code) == {"size", "scale", "names", "prepare", "model", "count"}
+    assert undefined_names(code) == {"size", "scale", "names", "prepare", "model", "count", "Batch",
+                                     "default"}
