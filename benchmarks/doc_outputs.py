@@ -4,7 +4,12 @@ Each quoted output is produced here the way the page says it was (the same comma
 code) and kept line by line: its text, and its numbers as tests/test_doc_numbers.py reads them
 in a quote, so that the page binds each printed number to its own key. ``torch_threads`` is kept
 with each run: float rounding, and so the last digits of a difference, depends on how the work is
-split over threads (the token check is run at 1 and at 2 threads).
+split over threads (the token check is run at 1 and at 2 threads), and on the CPU's vector unit:
+torch's kernels sum float64 in another order with AVX-512 than with AVX2 (TESTING.md's example
+prints 1.1e-16 with one, 5.6e-17 with the other). Every run here is pinned to AVX2
+(``ATEN_CPU_CAPABILITY=avx2``, which x86 CPUs of the last decade have), and the capability is kept
+beside the machine, so that tests/test_doc_snippets.py can rerun a quoted output under the same
+capability and threads and compare it line for line (a stale file fails there).
 
     python benchmarks/doc_outputs.py --json docs/results/doc_outputs.json
 """
@@ -21,6 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# Before torch loads (here and in every command run below): the vector unit the outputs are for.
+CPU_CAPABILITY = "avx2"
+os.environ["ATEN_CPU_CAPABILITY"] = CPU_CAPABILITY
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -173,7 +182,13 @@ def main() -> None:
         outputs["testing_example"] = testing_page_example(work)
         outputs["check_hf"] = hf_outputs()
         outputs["check_ranks_unused"] = ranks_unused()
-    result = {"machine": describe_machine(), "outputs": outputs,
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.lower() != CPU_CAPABILITY:
+        raise SystemExit(f"torch runs with the CPU capability {capability}, not {CPU_CAPABILITY}: "
+                         "not written")
+    result = {"machine": {**describe_machine(), "cpu_capability": capability.lower()}, "outputs": outputs,
               "benchmark_seconds": time.perf_counter() - start}
     write_results(args.json, result)
     print(f"wrote {args.json} in {result['benchmark_seconds']:.0f} s")

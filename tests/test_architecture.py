@@ -81,7 +81,8 @@ def may_import(room):
     lines = [" ".join(line.split()) for line in found]
     assert len(lines) == 1, f"{room}: its docstring needs one paragraph 'May import: ...', has {lines}"
     named = set() if lines[0] == "no other part of gradaccum" else set(lines[0].split(", "))
-    assert named <= set(ROOMS) - {room}, f"{room}: 'May import: {lines[0]}' names what is not a room"
+    own = ".".join(room.split(".")[:2])  # a room, or the room of a package inside it
+    assert named <= set(ROOMS) - {own}, f"{room}: 'May import: {lines[0]}' names what is not a room"
     return named
 
 
@@ -130,6 +131,45 @@ def test_every_room_names_what_it_may_import_and_imports_nothing_else(graph):
                     for m in modules for i in graph.find_modules_directly_imported_by(m)}
         unnamed = imported - {room, "gradaccum"} - may_import(room)
         assert not unnamed, f"{room} imports {sorted(unnamed)}, which its 'May import:' does not name"
+
+
+# Every package, rooms and the packages inside them: what it holds first, then one "May import:"
+# paragraph (rooms, as above), or, inside gradaccum.torch, one sentence "It may import ..." naming
+# the core and the adapter's modules it builds on.
+PACKAGES = sorted(".".join(("gradaccum", *p.parent.relative_to(SRC).parts))
+                  for p in SRC.rglob("__init__.py") if p.parent != SRC)
+SAYS_WHAT_IT_MAY_IMPORT = re.compile(r"^(?:May import: |It may import )", re.MULTILINE)
+
+
+def says_what_it_may_import(source):
+    """Why a package's docstring fails the rule, or None."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    if not doc or SAYS_WHAT_IT_MAY_IMPORT.match(doc):
+        return "it must open with what it holds"
+    said = SAYS_WHAT_IT_MAY_IMPORT.findall(doc)
+    return None if len(said) == 1 else f"it needs one line naming what it may import, has {len(said)}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_opens_with_what_it_holds_and_what_it_may_import(graph, package):
+    source = SRC.joinpath(*package.split(".")[1:], "__init__.py").read_text()
+    assert says_what_it_may_import(source) is None, f"{package}: {says_what_it_may_import(source)}"
+    if package in ROOMS or "\nMay import: " not in source:
+        return  # a room: checked above
+    named = may_import(package)  # a package inside a room, naming rooms: checked as a room is
+    room = ".".join(package.split(".")[:2])
+    imported = {".".join(i.split(".")[:2]) for m in {package} | graph.find_descendants(package)
+                for i in graph.find_modules_directly_imported_by(m)}
+    unnamed = imported - {room, "gradaccum"} - named
+    assert not unnamed, f"{package} imports {sorted(unnamed)}, which its 'May import:' does not name"
+
+
+def test_a_package_docstring_without_what_it_may_import_fails():
+    assert says_what_it_may_import('"""Holds x.\n\nMay import: gradaccum.core\n"""') is None
+    assert says_what_it_may_import('"""Holds x.\n\nIt may import the core."""') is None
+    assert says_what_it_may_import('"""Holds x, and nothing about imports."""') is not None
+    assert says_what_it_may_import('"""May import: gradaccum.core\n"""') is not None
+    assert says_what_it_may_import("import os") is not None
 
 
 def test_what_the_rooms_may_import_keeps_the_floors():

@@ -164,3 +164,30 @@ def test_a_number_moved_within_a_real_page_fails():
             assert mismatches(region, swapped), region.where()
             return
     pytest.fail("no marked part with two distinct numbers")
+
+
+def test_a_quoted_output_is_what_its_code_prints_now(tmp_path):
+    # The binding above checks the page against the results file; this checks the file against
+    # the code: TESTING.md's worked example, rerun as benchmarks/doc_outputs.py ran it (the same
+    # block, torch threads and CPU capability it recorded), must print the file's lines exactly.
+    # A file written before the code changed its output fails here (the digits near rounding
+    # included, which the recipe's own test, tests/torch/test_testing.py, cannot pin).
+    import os
+    import subprocess
+    import sys
+
+    recorded = json.loads((REPO / "docs" / "results" / "doc_outputs.json").read_text())
+    capability = recorded["machine"]["cpu_capability"]
+    run = recorded["outputs"]["testing_example"]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(run["torch_threads"]),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"
+    here = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    if here.stdout.strip() != capability:
+        pytest.skip(f"this CPU cannot run torch's {capability} kernels (it runs {here.stdout.strip()})")
+    text = (REPO / "docs" / "TESTING.md").read_text()
+    block = re.findall(r"```python\n((?:(?!```).)*)```\n\nprints", text, re.S)[-1]
+    (tmp_path / "testing_example.py").write_text(block)
+    done = subprocess.run([sys.executable, "testing_example.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.splitlines() == [line["text"] for line in run["lines"]], done.stdout

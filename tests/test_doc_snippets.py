@@ -16,14 +16,23 @@ block's namespace and folder). A block is, by what is written beside it in the p
 * a recipe (``<!-- recipe: name -->``): executed by its own test, which must name it;
 * marked ``# needs: KIND why`` on its first line (a GPU, several processes): not run here, and
   listed by ``test_the_blocks_that_cannot_run_here``.
+
+What a reader sees is the block alone: the HTML comments do not render. So a block that uses a name
+it neither defines nor imports (``model``, ``loader``, torchtitan's ``pp_group``) says so in its
+visible first lines (``test_a_block_says_what_it_needs_that_it_does_not_define``): a comment that
+names each one (``# given: model, opt and loader, your own``), or ``# continues the block above``
+where the blocks above define them. Hidden glue may then supply them, for the test only.
 """
 
+import ast
+import builtins
 import contextlib
 import importlib
 import io
 import linecache
 import random
 import re
+import symtable
 import sys
 import textwrap
 import types
@@ -322,3 +331,218 @@ def test_a_file_block_is_in_every_later_blocks_folder(page_folder, monkeypatch):
     blocks = blocks_of(page, "p.md")
     assert [b.kind for b in blocks] == ["file", "printed"]
     run_page(blocks, page_folder, monkeypatch)
+
+
+BUILTINS = set(dir(builtins)) | {"__file__"}
+
+
+class _InOrder(ast.NodeVisitor):
+    """A block's module-level names in the order Python binds and reads them: a name read before
+    anything binds it is missing. Function, lambda and class bodies run later, or in a scope of
+    their own: ``undefined_names`` reads them with ``symtable``."""
+
+    def __init__(self):
+        self.bound, self.missing = set(), set()
+
+    def read(self, name):
+        if name not in self.bound:
+            self.missing.add(name)
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Load):
+            self.read(node.id)
+        elif isinstance(node.ctx, ast.Store):
+            self.bound.add(node.id)
+
+    def visit_Assign(self, node):
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AugAssign(self, node):
+        self.visit(node.value)
+        if isinstance(node.target, ast.Name):
+            self.read(node.target.id)
+        self.visit(node.target)
+
+    def visit_AnnAssign(self, node):
+        if node.value is not None:
+            self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_NamedExpr(self, node):
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_For(self, node):
+        self.visit(node.iter)
+        self.visit(node.target)
+        for statement in node.body + node.orelse:
+            self.visit(statement)
+
+    visit_AsyncFor = visit_For
+
+    def visit_Import(self, node):
+        self.bound.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+
+    def visit_ImportFrom(self, node):
+        self.bound.update(alias.asname or alias.name for alias in node.names)
+
+    def visit_ExceptHandler(self, node):
+        if node.type is not None:
+            self.visit(node.type)
+        if node.name:
+            self.bound.add(node.name)
+        for statement in node.body:
+            self.visit(statement)
+
+    def visit_FunctionDef(self, node):  # decorators, defaults, annotations now; the body when called
+        arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg,
+                     node.args.kwarg]
+        annotations = [a.annotation for a in arguments if a is not None] + [node.returns]
+        for expression in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults, *annotations]:
+            if expression is not None:
+                self.visit(expression)
+        self.bound.add(node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node):
+        for expression in [*node.decorator_list, *node.bases, *(k.value for k in node.keywords)]:
+            self.visit(expression)
+        self.bound.add(node.name)
+
+    def visit_Lambda(self, node):
+        for expression in [*node.args.defaults, *node.args.kw_defaults]:
+            if expression is not None:
+                self.visit(expression)
+
+    def _comprehension(self, node):  # its own scope, but the first iterable is read here
+        self.visit(node.generators[0].iter)
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension
+
+
+def undefined_names(code):
+    """The names ``code`` reads that it has not defined or imported by then, and that are not
+    builtins: what a reader who copies the block alone must bring. At module level in the order
+    the block runs (``model, opt = prepare(model, opt)`` needs ``model``); inside a function,
+    class or comprehension, any name the block defines somewhere."""
+    in_order = _InOrder()
+    in_order.visit(ast.parse(code))
+    top = symtable.symtable(code, "<block>", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    later = set()
+
+    def walk(table):
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and symbol.is_global():
+                later.add(symbol.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    for child in top.get_children():
+        walk(child)
+    return (in_order.missing | (later - defined)) - BUILTINS
+
+
+def defined_names(code):
+    """The names ``code`` defines or imports at module level."""
+    return {s.get_name() for s in symtable.symtable(code, "<block>", "exec").get_symbols()
+            if s.is_assigned() or s.is_imported()}
+
+
+def leading_comment(code):
+    """The block's visible first lines, while they are comments."""
+    lines = []
+    for line in code.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def unsaid_names(blocks):
+    """For each block that uses names it does not define and does not say so: ``where: names``.
+
+    A block says so in its leading comment: each name written there, or ``# continues the block
+    above`` and the page's blocks above (back to one that does not continue) define or name it."""
+    unsaid, known = [], set()
+    for block in blocks:
+        try:
+            missing = undefined_names(block.code)
+        except SyntaxError as error:
+            unsaid.append(f"{block.where}: not Python ({error.msg}, line {error.lineno})")
+            continue
+        said = leading_comment(block.code)
+        if not block.continues:
+            known = set()
+        missing -= known
+        missing = {name for name in missing if not re.search(rf"(?<!\w){re.escape(name)}(?!\w)", said)}
+        if missing:
+            unsaid.append(f"{block.where}: {', '.join(sorted(missing))}")
+        known |= defined_names(block.code) | undefined_names(block.code)
+    return unsaid
+
+
+@pytest.mark.parametrize("page", sorted({b.page for b in ALL}))
+def test_a_block_says_what_it_needs_that_it_does_not_define(page):
+    # Every ```python block, recipes and files too: copied alone from the rendered page, it runs,
+    # or its first lines say what the reader must bring.
+    unsaid = unsaid_names([b for b in ALL if b.page == page])
+    assert not unsaid, f"name each in the block's first lines, or say '# continues the block above': {unsaid}"
+
+
+NEEDY = """
+```python
+{first}
+import torch
+
+def train():
+    for x, y in loader:
+        model(x).sum().backward()
+    return [opt.step() for _ in range(1)]
+```
+
+```python
+{second}
+train()
+```
+"""
+
+
+@pytest.mark.parametrize("first, second, unsaid", [
+    ("", "", ["p.md:2: loader, model, opt", "p.md:12: train"]),
+    ("# given: model, opt and loader, your own", "", ["p.md:12: train"]),
+    ("# given: model and loader", "# continues the block above", ["p.md:2: opt"]),
+    ("# given: model, opt, loader", "# continues the block above", []),
+    ("# given: the model, opt, loader", "# continues the block above, which defines train", []),
+    ("import builtins  # given: model, opt, loader", "", ["p.md:2: loader, model, opt", "p.md:12: train"]),
+])
+def test_a_block_that_needs_a_name_it_does_not_say_is_found(first, second, unsaid):
+    blocks = blocks_of(NEEDY.format(first=first, second=second), "p.md")
+    assert unsaid_names(blocks) == unsaid
+
+
+def test_a_block_that_is_not_python_is_found():
+    assert unsaid_names(blocks_of("```python\n>>> print(1)\n```\n", "p.md")) == [
+        "p.md:1: not Python (invalid syntax, line 1)"]
+
+
+def test_what_a_block_needs_reads_functions_classes_and_comprehensions():
+    code = textwrap.dedent("""
+        import torch as t
+        class Net(t.nn.Module):
+            width = size * 2
+            def forward(self, x):
+                return [layer(x) for layer in self.layers] + [scale]
+        for i in range(3):
+            total = i
+        print(total, Net, len, [n for n in names])
+        model, opt = prepare(model, t.optim.SGD([], lr=0.1))
+        count += 1
+        def step(batch: Batch = default) -> None:
+            return opt, batch
+        """)
+    assert undefined_names(code) == {"size", "scale", "names", "prepare", "model", "count", "Batch",
+                                     "default"}

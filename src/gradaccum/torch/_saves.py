@@ -38,7 +38,13 @@ def _user_level() -> int:
 
 
 def _in_accelerate(optimizer: Any) -> bool:
-    return type(optimizer).__module__.split(".")[0] == "accelerate"
+    """The optimizer is Accelerate's, or an Accelerator was made in this process: the by-hand
+    recipe of docs/INTEGRATIONS.md gives the accumulator the prepared optimizer's inner one, a
+    torch optimizer that ``save_state`` saves all the same."""
+    if type(optimizer).__module__.split(".")[0] == "accelerate":
+        return True
+    state = sys.modules.get("accelerate.state")
+    return state is not None and bool(getattr(state.PartialState, "_shared_state", None))
 
 
 class SaveWatch:

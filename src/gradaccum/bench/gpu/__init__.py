@@ -7,4 +7,6 @@ table), ``gpt`` (the model most checks train), then one module per check: ``over
 its rank side, ``ddp_rank``). Without CUDA every check runs its smoke on the CPU. Nothing is
 imported here, so that ``python -m gradaccum.bench.gpu.child`` starts clean. See docs/BENCHMARKS.md
 ("GPU").
+
+May import: gradaccum.core, gradaccum.torch, gradaccum.demos
 """

@@ -24,6 +24,7 @@ each micro-batch to a :class:`gradaccum.Accumulator` and steps once per window, 
 Lightning is not imported here: the mixin uses only the objects the trainer hands it, so it
 works with ``pytorch_lightning`` and ``lightning.pytorch`` alike, and ``import gradaccum`` never
 loads either.
+May import: gradaccum.core, gradaccum.torch
 """
 
 from gradaccum.integrations.lightning._checkpoint import CHECKPOINT_KEY
