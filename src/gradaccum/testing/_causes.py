@@ -19,6 +19,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from gradaccum.testing import _words as words
 from gradaccum.testing._combination import Placed, Reading, l2_rule, read, readable, solve, support_rule
 from gradaccum.testing._evidence import Probe, close
+from gradaccum.testing._ratios import Shares, ratio_rules
 from gradaccum.testing._runs import Job, Trace
 
 __all__ = ["from_weights", "learning_rate", "mixing", "no_gradient", "reduced_twice", "start_vectors"]
@@ -93,9 +94,10 @@ def mixing(probes: list[Probe], model: Callable[[], nn.Module], tol: float) -> S
 
 
 def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
-                 clip_norm: float | None = None) -> Said | None:
-    """Which micro-batches reached the step, or an L2 term growing with k, read from the weights
-    (over their sum where the gradient was clipped at ``clip_norm``)."""
+                 clip_norm: float | None = None, totals: tuple[int, ...] = ()) -> Said | None:
+    """Which micro-batches reached the step, an L2 term growing with k, or a count taken in the
+    wrong place (:mod:`gradaccum.testing._ratios`; ``totals``: the batch's own counts), read from
+    the weights (over their sum where the gradient was clipped at ``clip_norm``)."""
     readings: list[Reading] = []
     for p in probes:
         if p.parts is None:
@@ -119,7 +121,28 @@ def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
         return (words.l2_penalty(rule),
                 f"why: the window gradient is a weighting of the micro-batches' own gradients plus a "
                 f"multiple of the parameters {', '.join(tensors)} themselves: {held}")
-    return None
+    return _from_ratios(probes, readings, totals, tol, clip_norm, shown)
+
+
+def _from_ratios(probes: list[Probe], readings: list[Reading], totals: tuple[int, ...], tol: float,
+                 clip_norm: float | None, shown: str) -> Said | None:
+    """A count taken in the wrong place: the weights over the full batch's own weights."""
+    shares = []
+    for p, r in zip(probes, readings, strict=True):
+        assert p.parts is not None
+        full = solve(p.parts, p.bases["full"], tol)
+        if full is None or r.decay:
+            return None
+        clipped = clip_norm is not None and float(p.seen.norm()) >= clip_norm * (1 - 1e-4)
+        shares.append(Shares(r.sizes, r.coef, full / full.sum(), clipped))
+    found = ratio_rules(shares, list(totals), tol)
+    if not found:
+        return None
+    said = words.ratio_rule(found)
+    full_shown = ", ".join(f"{_weights(s.full)} on {'+'.join(map(str, s.sizes))}" for s in shares
+                           if len(s.sizes) > 1)
+    return said, (f"why: the window gradient weights the micro-batches' own gradients {shown}, where the "
+                  f"full batch weights them {full_shown}")
 
 
 def start_vectors(job: Job) -> Placed:

@@ -21,8 +21,8 @@ from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._naming import evidence, is_token_ratio, name
-from gradaccum.testing._probes import make_probes
+from gradaccum.testing._naming import evidence, is_token_ratio, loss_scale, name
+from gradaccum.testing._probes import batch_counts, make_probes
 from gradaccum.testing._runs import Job, Trace, build
 
 __all__ = ["Context", "Finding", "diagnose"]
@@ -159,6 +159,11 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     # A constant factor below 1 is also what clipping the helper was not told of gives.
     hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
         h is None or (h.family == "constant" and not is_token_ratio(h.param, ctx.job, ctx.tol)))
+    scaled = _clipped_scaled(h, seen, ctx.clip_norm, ctx.tol)
+    if scaled is not None:
+        ks = evidence(Hypothesis("full", "exact"), probes, None).split(", for ", 1)[1].split(", and no other")[0]
+        return Finding(f"{head}: {scaled}", f"why: the window gradient is the full batch's direction at the "
+                       f"norm {float(seen.norm()):.6g}, for {ks}")
     if h is not None and not hidden_clip:
         why = "why: " + evidence(h, probes, ctx.clip_norm)
         repeated = _repeated_backward(h, c.traces[0], k)
@@ -166,13 +171,17 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
             return Finding(f"{head}: {words.backward_times(repeated)}",
                            f"{why}; {repeated * k} backward passes in a window of {k} micro-batches")
         return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}", why)
+    if len(standing) > 1 and {s.family for s in standing} == {"clip own"}:  # every share clipped: no weighting shows
+        return Finding(f"{head}: {words.CLIP_OWN}", "why: " + evidence(standing[0], probes, ctx.clip_norm) +
+                       f"; the shares weighted {words.weightings(s.base for s in standing[1:])} give them too "
+                       "(each clipped on its own, their weights do not show)")
     weighting = {s.base for s in standing}
     if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
         h = standing[0]
         return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
                        "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
-    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
-        if ctx.loss_fn else None
+    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
+                               batch_counts(ctx.job.batch)) if ctx.loss_fn else None
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
@@ -186,6 +195,15 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     if ctx.loss_fn is None:
         listed.append("(pass loss_fn: the evidence is sharper against a reference of its own)")
     return _candidates(words.differs(c.ratio, c.cosine), listed)
+
+
+def _clipped_scaled(h: Hypothesis | None, seen: Any, clip_norm: float | None, tol: float) -> str | None:
+    """Clipping before a loss scale was undone: the full batch's direction at a constant norm,
+    ``clip_norm`` over a power of 2, on every split."""
+    if h is None or clip_norm is None or h.base != "full" or h.family != "constant":
+        return None
+    m = loss_scale(clip_norm / max(float(seen.norm()), 1e-300), max(tol, 1e-6), least=1)
+    return words.clipped_scaled(m, clip_norm) if m is not None and m > 0 else None
 
 
 def _repeated_backward(h: Hypothesis, trace: Trace, k: int) -> int | None:
