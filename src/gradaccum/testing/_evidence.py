@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Hypothesis", "Probe", "clip", "close", "distinct_bases", "explain", "fits", "unit"]
+__all__ = ["Hypothesis", "Probe", "clip", "close", "distinct_bases", "explain", "fits", "scale_under_clip",
+           "unit"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Probe:
             (with a ``loss_fn`` and a clip norm).
         parts: each micro-batch's own gradient, one row each (with a ``loss_fn``), or None.
         lrs: each parameter group's learning rate at the step.
+        shrink: the one factor the parameters were scaled by outside the step (1.0: unmoved; None:
+            moved otherwise).
     """
 
     sizes: tuple[int, ...]
@@ -45,6 +48,7 @@ class Probe:
     clipped_each: dict[str, torch.Tensor] = field(default_factory=dict)
     parts: torch.Tensor | None = None
     lrs: tuple[float, ...] = ()
+    shrink: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,16 @@ def clip(vector: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     return vector * min(1.0, max_norm / (float(vector.norm()) + 1e-6))
 
 
+def scale_under_clip(seen: torch.Tensor, pre: torch.Tensor, max_norm: float) -> float | None:
+    """``s`` when ``seen`` is ``s * pre`` clipped at ``max_norm``, read from the ``1e-6`` that
+    ``clip_grad_norm_`` adds to the norm (``|seen| = max_norm * s|pre| / (s|pre| + 1e-6)``): the
+    scale that clipping otherwise hides. float64 only: the difference is about 1e-7 of the norm."""
+    n, f = float(seen.norm()), float(pre.norm())
+    if seen.dtype != torch.float64 or f == 0 or not 0 < max_norm - n < 1e-4 * max_norm:
+        return None
+    return 1e-6 * n / (f * (max_norm - n))
+
+
 def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     """Equal within ``tol`` of the larger's largest entry."""
     top = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
@@ -87,7 +101,8 @@ def fits(h: Hypothesis, probe: Probe, clip_norm: float | None, tol: float) -> bo
         return each is not None and close(probe.seen, each, tol)
     if h.family == "clip own":  # the clipped shares' sum, clipped again at the window or not
         own = probe.clipped_each.get(f"own:{h.base}")
-        return own is not None and (close(probe.seen, own, tol) or close(probe.seen, clip(own, clip_norm), tol))
+        return own is not None and (close(probe.seen, own, tol)
+                                    or close(probe.seen, clip(own, clip_norm), tol))
     base = probe.bases.get(h.base)
     if base is None:
         return False
@@ -131,7 +146,8 @@ def _candidates(probes: list[Probe], clip_norm: float | None, tol: float) -> lis
             if c > 0 and not math.isclose(c, 1.0, rel_tol=tol):
                 out.append(Hypothesis(base, "constant", c))
             break
-    out += [Hypothesis(base, family) for family in ("clip each", "clip own") for base in distinct_bases(probes, tol)
+    out += [Hypothesis(base, family) for family in ("clip each", "clip own")
+            for base in distinct_bases(probes, tol)
             if all(base in p.clipped_each for p in probes)]
     return out
 

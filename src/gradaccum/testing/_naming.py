@@ -20,7 +20,8 @@ def name(h: Hypothesis, k: int, job: Job, tol: float) -> str:
     if h == Hypothesis("full", "exact"):  # it stands beside others only where clipping binds
         return words.HIDDEN_SCALE
     scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
-             "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH, "clip own": words.CLIP_OWN,
+             "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
+             "clip own": words.CLIP_OWN,
              "constant": _constant(h.param, job, tol)}[h.family]
     if h.base == "full":
         return scale
@@ -104,6 +105,7 @@ def evidence(h: Hypothesis, probes: list[Probe], clip_norm: float | None, scale_
         said = f"the sum of {of}, each clipped at {clip_norm:g} on its own"
     if scale_hidden:
         said = said.removesuffix(rule) + " at some scale"
-    clipped = "" if clip_norm is None or h.family in ("clip each", "clip own") else f", clipped at {clip_norm:g}"
+    clipped = "" if clip_norm is None or h.family in ("clip each", "clip own") else \
+        f", clipped at {clip_norm:g}"
     return (f"the window gradient is {said}{clipped}, for k = {ks} micro-batches ({splits}), and no "
             "other known mistake gives these gradients")

@@ -14,6 +14,7 @@ from torch import nn
 from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import flat
 from gradaccum.testing._evidence import Probe, clip
+from gradaccum.testing._moved import shrink
 from gradaccum.testing._runs import Job, Trace, build, grads_of, run_split
 from gradaccum.torch.memory.split import batch_size, split_batch
 
@@ -102,7 +103,8 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
             bases.update({name: w @ parts for name, w in weights.items() if name != "full"})
             if clip_norm is not None:
                 each = _clipped_each(parts, weights, clip_norm)
-        probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs))
+        probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs,
+                            shrink(trace.starts[0], trace.steps[0][0].moved)))
     return probes
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -73,9 +74,10 @@ def _all(shares: list[Shares], tol: float, want: Callable[[Shares], list[float] 
 
 
 def ratio_rules(shares: list[Shares], totals: list[int], tol: float) -> list[tuple[str, int, int]]:
-    """Every rule that holds: ``(name, m, N)`` (``m``: the times added, or the count's offset); ``totals``: the batch's own counts that ``N`` may
-    be (its tokens before and after the shift, its rows), one whose ``N f_i`` are whole numbers on
-    every split is used."""
+    """Every rule that holds: ``(name, m, N)`` (``m``: the times added, or the count's offset).
+
+    ``totals``: the batch's own counts that ``N`` may be (its tokens before and after the shift,
+    its rows); the first whose ``N f_i`` are whole numbers on every split is used."""
     if len({len(s.sizes) for s in shares}) < 2 or any(bool((s.full <= 0).any()) for s in shares):
         return []
     out = []
@@ -83,8 +85,8 @@ def ratio_rules(shares: list[Shares], totals: list[int], tol: float) -> list[tup
         m = _counted(rule, shares, tol)
         if m is not None:
             out.append((f"{rule} counted", m, 0))
-    big = next((n for n in totals if n > 1 and all(_whole([n * float(f) for f in s.full], tol) for s in shares)),
-               None)
+    big = next((n for n in totals if n > 1
+                and all(_whole([n * float(f) for f in s.full], tol) for s in shares)), None)
     if big is None:
         return out
     if _all(shares, tol, lambda s: [big * float(f) for f in s.full]):
@@ -92,12 +94,17 @@ def ratio_rules(shares: list[Shares], totals: list[int], tol: float) -> list[tup
     if _all(shares, tol, lambda s: [1 / (big * float(f)) for f in s.full]):
         out.append(("over own count", 0, big))
     for at, rule in ((0, "first's count"), (-1, "last's count")):
-        if _all(shares, tol, lambda s, at=at: [1 / float(s.full[at])] * len(s.sizes)):
+        if _all(shares, tol, partial(_one_count, at)):
             out.append((rule, 0, big))
     off = _off_by(shares, big, tol)
     if off:
         out.append(("off by", off, big))
     return out
+
+
+def _one_count(at: int, s: Shares) -> list[float]:
+    """The ratios of a window divided by micro-batch ``at``'s count: ``N / n_at`` on every one."""
+    return [1 / float(s.full[at])] * len(s.sizes)
 
 
 def _off_by(shares: list[Shares], big: int, tol: float) -> int:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "CLIP_EACH", "CLIP_OWN", "DIRECTION", "RATIO", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "ROWS", "SCALE",
-    "STALE", "SUPPORT", "amount", "backward_times", "count_weights", "differs", "fixed_n", "l2_penalty",
+    "CLIP_EACH", "CLIP_OWN", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "MOVED", "NO_UPDATE",
+    "RATIO", "ROWS", "SCALE", "SCHEDULER_FIRST", "STALE", "SUPPORT", "amount", "backward_times",
+    "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n", "l2_penalty",
     "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
-    "rank_scale", "ranks_apart", "ratio_rule", "scale_left", "clipped_scaled", "weightings", "reduced_twice", "rows_count", "scheduler", "twice", "wrong_count",
+    "rank_scale", "ranks_apart", "ratio_rule", "reduced_twice", "rows_count", "scale_left", "scheduler",
+    "twice", "weightings", "wrong_count"
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -45,6 +47,10 @@ SUPPORT = {
     ("all but first", ""): "the first micro-batch's gradient never reached the step (a loop that skips "
                            "it, micro_batches[1:], or clears its gradient after it)",
 }
+SCHEDULER_FIRST = ("scheduler.step() runs before optimizer.step() in the window: every step takes the "
+                   "next window's learning rate (step the scheduler after optimizer.step())")
+MOVED = ("the parameters changed outside optimizer.step(), before the step (an update or edit of your "
+         "own between the backward passes: leave the parameters to the optimizer)")
 # A count taken in the wrong place (the rules of _ratios.ratio_rules), by rule: {m}, {n} filled in.
 RATIO = {
     "first counted": "the first micro-batch's gradient added {m} times, every other one's once (a "
@@ -93,7 +99,7 @@ def ratio_rule(found: list[tuple[str, int, int]]) -> str:
     said = [RATIO[name].format(m=m, n=n) for name, m, n in found]
     if len(said) == 1:
         return said[0]
-    if {name for name, _ in found} == {"first's count", "last's count"}:
+    if {f[0] for f in found} == {"first's count", "last's count"}:
         return ("the window divided by one micro-batch's count, not the window's: the first's or the "
                 "last's, equal on every split tried (sum the counts of all the window's micro-batches)")
     return "one of these, which the splits tried cannot tell apart: " + "; or ".join(said)
@@ -140,6 +146,16 @@ def wrong_count(factor: float, where: str | None, shifted: int = 0, counted: int
                 f"shift and is divided by the {counted} counted before it (count_tokens(labels, shift=True))")
     return (f"a token count taken after a shift the loss does not make: the loss sums the {shifted} "
             f"tokens of {where} and is divided by {counted}")
+
+
+def decay_by_hand(rate: float, every: bool) -> str:
+    """Parameters shrunk by ``rate`` outside the step: after every backward, or once a window."""
+    if every:
+        return (f"a weight decay applied by hand after every micro-batch's backward (the parameters times "
+                f"1 - {rate:.4g} each time, k times a window): apply it once per window, or use the "
+                "optimizer's weight_decay (AdamW)")
+    return (f"a weight decay applied by hand once per window, outside the optimizer (the parameters times "
+            f"1 - {rate:.4g}), which the reference does not apply: use the optimizer's weight_decay")
 
 
 def scale_left(m: int) -> str:
