@@ -19,6 +19,7 @@ from typing import Any
 
 from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
+from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import (
     Hypothesis,
@@ -195,6 +196,8 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
         if repeated is not None:
             return Finding(f"{head}: {words.backward_times(repeated)}",
                            f"{why}; {repeated * k} backward passes in a window of {k} micro-batches")
+        if h == Hypothesis("full", "not divided") and _equal_counts(probes, ctx.tol):
+            return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}; {words.ONE_COUNT_ALIKE}", why)
         return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}", why)
     if len(standing) > 1 and {s.family for s in standing} == {"clip own"}:  # every share clipped: no weights
         return Finding(f"{head}: {words.CLIP_OWN}", "why: " + evidence(standing[0], probes, ctx.clip_norm) +
@@ -251,6 +254,15 @@ def _scale_under_clip(ctx: Context, k: int, base: str = "full") -> tuple[str, st
                     f"{words.weightings([base])}, clipped at {ctx.clip_norm:g}, and its norm short of the "
                     f"clip norm by what {by} gives (clip_grad_norm_ divides by the norm + 1e-6)")
     return None
+
+
+def _equal_counts(probes: list[Probe], tol: float) -> bool:
+    """Every split tried weights its micro-batches equally in the full batch (equal counts)."""
+    for p in probes:
+        full = solve(p.parts, p.bases["full"], tol) if p.parts is not None else None
+        if full is None or float(full.max() - full.min()) > tol * float(full.abs().max()):
+            return False
+    return True
 
 
 def _scheduler_first(events: list[tuple[str, int]]) -> bool:

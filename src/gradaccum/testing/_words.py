@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 __all__ = [
     "CLIP_EACH", "CLIP_OWN", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "MOVED", "NO_UPDATE",
-    "RATIO", "ROWS", "SCALE", "SCHEDULER_FIRST", "STALE", "SUPPORT", "amount", "backward_times",
-    "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n", "l2_penalty",
+    "ONE_COUNT_ALIKE", "RATIO", "ROWS", "SCALE", "SCHEDULER_FIRST", "STALE", "SUPPORT", "amount",
+    "backward_times", "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n", "l2_penalty",
     "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
     "rank_scale", "ranks_apart", "ratio_rule", "reduced_twice", "rows_count", "scale_left", "scheduler",
     "twice", "weightings", "wrong_count"
@@ -49,6 +49,9 @@ SUPPORT = {
 }
 SCHEDULER_FIRST = ("scheduler.step() runs before optimizer.step() in the window: every step takes the "
                    "next window's learning rate (step the scheduler after optimizer.step())")
+ONE_COUNT_ALIKE = ("or the window divided by one micro-batch's count, not the window's: on every split "
+                   "tried the micro-batches hold equal counts, so the two give the same gradient (an uneven "
+                   "split, splits=[[5, 4, 3]], tells them apart)")
 MOVED = ("the parameters changed outside optimizer.step(), before the step (an update or edit of your "
          "own between the backward passes: leave the parameters to the optimizer)")
 # A count taken in the wrong place (the rules of _ratios.ratio_rules), by rule: {m}, {n} filled in.
