@@ -156,3 +156,21 @@ def test_a_count_rule_is_read_from_the_weights_over_the_full_batchs_own():
     # the full batch's own weights: no rule
     assert ratio_rules([shares((6, 6), [0.5, 0.5]), shares((5, 4, 3), [5 / 12, 4 / 12, 3 / 12])], [12],
                        1e-9) == []
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("name", ["decay by hand every micro-step", "n_items off by one",
+                                  "summed loss given as a mean"])
+def test_the_count_and_decay_rules_hold_in_float32(name, monkeypatch):
+    # float32's evidence tolerance (1e-3) is no licence for a looser count: the batch's 84 token ids
+    # are no count of what the loss sums, and a decay's factor is read to float32's rounding.
+    def single(make):
+        return lambda: make().float()
+
+    def batch(make):
+        return lambda: tuple(t.float() if t.is_floating_point() else t for t in make())
+
+    monkeypatch.setattr(m, "DATA", {k: (single(a), f, batch(b)) for k, (a, f, b) in m.DATA.items()})
+    cell = m.BUGS[name]
+    caught, message = m.run_cell(cell)
+    assert m.verdict(cell, caught, message) == "named", message

@@ -77,7 +77,9 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
             return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
     for v in range(w + 1):
         if trace.steps[v][0].moved and not ctx.ref.steps[v][0].moved:
-            moved, why = why_moved(v + 1, shrink(trace.starts[v], trace.steps[v][0].moved), ctx.probes())
+            fine = ctx.tol * 1e-3  # 1e-9 in float64, 1e-6 in float32: rounding, no more
+            factor = shrink(trace.starts[v], trace.steps[v][0].moved, fine)
+            moved, why = why_moved(v + 1, factor, ctx.probes(), 10 * fine)
             return Finding(f"{words.amount(c.ratio, c.cosine)}: {moved}", why)
     names = list(ctx.job.names)
     seen = flat(trace.steps[w][0].grads, names)

@@ -15,8 +15,9 @@ from gradaccum.testing._evidence import Probe
 __all__ = ["shrink", "why_moved"]
 
 
-def shrink(start: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> float | None:
-    """The one factor ``r`` with ``now == r * start`` on every parameter (1.0: unmoved), or None."""
+def shrink(start: dict[str, torch.Tensor], now: dict[str, torch.Tensor], tol: float = 1e-9) -> float | None:
+    """The one factor ``r`` with ``now == r * start`` on every parameter, within ``tol`` of the
+    largest (1.0: unmoved), or None."""
     if not now:
         return 1.0
     a = torch.cat([start[n].flatten() for n in now])
@@ -26,12 +27,13 @@ def shrink(start: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> floa
         return None
     r = float(a @ b) / denom
     top = max(float(b.abs().max()), 1e-300)
-    return r if float((b - r * a).abs().max()) <= 1e-9 * top else None
+    return r if float((b - r * a).abs().max()) <= tol * top else None
 
 
-def why_moved(window: int, factor: float | None, probes: list[Probe]) -> tuple[str, str]:
+def why_moved(window: int, factor: float | None, probes: list[Probe], tol: float = 1e-9) -> tuple[str, str]:
     """The words for parameters moved outside the step in ``window`` (1-based), by ``factor`` (the
-    one factor they were scaled by, or None), read against the probes' factors by micro-batches."""
+    one factor they were scaled by, or None), read against the probes' factors by micro-batches
+    (equal within ``tol``, relative)."""
     seen = sorted({(len(p.sizes), p.shrink) for p in probes if p.shrink is not None})
     one = next((r for k, r in seen if k == 1), None)
     shown = ", ".join(f"{r:.6g} on {k}" for k, r in seen)
@@ -40,8 +42,8 @@ def why_moved(window: int, factor: float | None, probes: list[Probe]) -> tuple[s
         return words.MOVED, why + " (not one factor on every parameter)"
     why += f": every one times {factor:.6g}; by micro-batches k, the factor was {shown}"
     several = len({k for k, _ in seen}) > 1
-    if one is not None and several and all(math.isclose(r, one ** k, rel_tol=1e-9) for k, r in seen):
+    if one is not None and several and all(math.isclose(r, one ** k, rel_tol=tol) for k, r in seen):
         return words.decay_by_hand(1 - one, every=True), why + f" ({one:.6g}**k)"
-    if several and all(math.isclose(r, factor, rel_tol=1e-9) for _, r in seen):
+    if several and all(math.isclose(r, factor, rel_tol=tol) for _, r in seen):
         return words.decay_by_hand(1 - factor, every=False), why
     return words.MOVED, why

@@ -104,7 +104,7 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
             if clip_norm is not None:
                 each = _clipped_each(parts, weights, clip_norm)
         probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs,
-                            shrink(trace.starts[0], trace.steps[0][0].moved)))
+                            shrink(trace.starts[0], trace.steps[0][0].moved, tol * 1e-3)))
     return probes
 
 

@@ -38,11 +38,12 @@ class Shares:
 
 
 def _near(a: float, b: float, tol: float) -> bool:
-    return abs(a - b) <= 100 * tol * max(abs(a), abs(b), 1e-300)
+    return abs(a - b) <= 10 * tol * max(abs(a), abs(b), 1e-300)
 
 
 def _whole(values: list[float], tol: float) -> bool:
-    return all(v > 0.5 and _near(v, round(v), tol) for v in values)
+    """Whole numbers (at least 1), to ``10 * tol`` absolute: a count's fraction is no rounding."""
+    return all(v > 0.5 and abs(v - round(v)) <= 10 * tol for v in values)
 
 
 def _counted(rule: str, shares: list[Shares], tol: float) -> int | None:
@@ -117,7 +118,7 @@ def _off_by(shares: list[Shares], big: int, tol: float) -> int:
         if not all(_near(v, r[0], tol) for v in r) or r[0] <= 0:
             return 0
         d = (big / r[0] - big) / len(s.sizes)
-        if not _near(d, round(d), tol) and abs(d - round(d)) > 1e-6:
+        if abs(d - round(d)) > 10 * tol:
             return 0
         found.add(round(d))
     return found.pop() if len(found) == 1 and 0 not in found else 0
