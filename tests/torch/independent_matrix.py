@@ -471,6 +471,14 @@ def n_items_off_by_one(model, optimizer, micro_batches):
         acc.backward(tag_loss(model, batch, "sum"), n_items=tokens(batch) + 1, reduction="sum")
 
 
+def same_micro_batch_every_time(model, optimizer, micro_batches):
+    for _ in range(len(micro_batches)):
+        batch = micro_batches[0]  # as next(iter(loader)) inside the loop: the first batch each time
+        (ce(model, batch) / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def not_divided_clipped(model, optimizer, micro_batches, clip=1.0):
     for batch in micro_batches:
         ce(model, batch).backward()  # the sum of k means
@@ -564,6 +572,8 @@ BUGS = {
     "n_items off by one": Cell(n_items_off_by_one, "tagger",
                                "a count off by 1 on every micro-batch: the window divided by the batch's 46"),
     "not divided, clipped": Cell(not_divided_clipped, "mlp", "not divided by the steps", clip=CLIP_ONCE),
+    "the same micro-batch every time": Cell(same_micro_batch_every_time, "mlp",
+                                            "the first micro-batch fed k times"),
 }
 BUGS_RANKS = {
     "2 ranks: DDP + all_reduce(SUM)": Cell(ddp_all_reduce_sum, "mlp", "remove the all_reduce", splits=(1, 3),

@@ -94,10 +94,11 @@ def mixing(probes: list[Probe], model: Callable[[], nn.Module], tol: float) -> S
 
 
 def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
-                 clip_norm: float | None = None, totals: tuple[int, ...] = ()) -> Said | None:
+                 clip_norm: float | None = None, totals: tuple[int, ...] = (), k: int = 0) -> Said | None:
     """Which micro-batches reached the step, an L2 term growing with k, or a count taken in the
     wrong place (:mod:`gradaccum.testing._ratios`; ``totals``: the batch's own counts), read from
-    the weights (over their sum where the gradient was clipped at ``clip_norm``)."""
+    the weights (over their sum where the gradient was clipped at ``clip_norm``); ``k``: the
+    micro-batches of ``trace``'s split."""
     readings: list[Reading] = []
     for p in probes:
         if p.parts is None:
@@ -111,6 +112,8 @@ def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
     rule = support_rule(readings, tol)
     if rule is not None:
         how, mechanism = _mechanism(rule, trace)
+        if rule == "first" and k > 1 and _repeated(trace, k):
+            how, mechanism = "repeated", mechanism + f" of {k} micro-batches, no zero_grad() between them"
         return (words.SUPPORT[rule, how], "why: the window gradient weights the micro-batches' own "
                 f"gradients {shown}{mechanism}")
     l2 = l2_rule(readings, params, tol)
@@ -153,6 +156,14 @@ def start_vectors(job: Job) -> Placed:
         out[n] = (offset, values)
         offset += values.numel()
     return out
+
+
+def _repeated(trace: Trace, k: int) -> bool:
+    """The first window held k backward passes and no zero_grad() between them (its one micro-batch
+    that has weight then went through backward k times)."""
+    events = trace.events[0] if trace.events else []
+    return bool(trace.backwards) and trace.backwards[0] == k and not any(
+        kind == "zero_grad" and 0 < b < k for kind, b in events)
 
 
 def _mechanism(rule: str, trace: Trace) -> tuple[str, str]:

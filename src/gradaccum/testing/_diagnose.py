@@ -159,7 +159,8 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     probes = ctx.probes()
     mixed = causes.mixing(probes, lambda: build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
     if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
-        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
+        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
+                                   k=k)
         if also is None:
             return Finding(f"{head}: {mixed[0]}", mixed[1])
         return Finding(f"{head}: {mixed[0]}; and {also[0]}",
@@ -214,7 +215,7 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
         return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
                        "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
     read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
-                               batch_counts(ctx.job.batch)) if ctx.loss_fn else None
+                               batch_counts(ctx.job.batch), k) if ctx.loss_fn else None
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),

@@ -42,6 +42,9 @@ SUPPORT = {
                              "step (keep every micro-batch, a short last one too, weighted by its items)",
     ("first", ""): "only the first micro-batch's gradient reached the step (the loop stops after it, "
                    "or the later ones are cleared)",
+    ("first", "repeated"): "the first micro-batch fed k times, the others never: each backward ran on the "
+                           "same micro-batch (next(iter(loader)) inside the loop starts a new iterator each "
+                           "time: make the iterator once, outside the loop)",
     ("all but last", ""): "the last micro-batch's gradient never reached the step (a loop over the "
                           "micro-batches that stops one short)",
     ("all but first", ""): "the first micro-batch's gradient never reached the step (a loop that skips "
