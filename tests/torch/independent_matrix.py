@@ -479,6 +479,15 @@ def same_micro_batch_every_time(model, optimizer, micro_batches):
     optimizer.zero_grad()
 
 
+def clamp_per_micro_step(model, optimizer, micro_batches):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        (ce(model, batch) * items(batch) / total).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)  # inside the loop
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def not_divided_clipped(model, optimizer, micro_batches, clip=1.0):
     for batch in micro_batches:
         ce(model, batch).backward()  # the sum of k means
@@ -574,6 +583,8 @@ BUGS = {
     "not divided, clipped": Cell(not_divided_clipped, "mlp", "not divided by the steps", clip=CLIP_ONCE),
     "the same micro-batch every time": Cell(same_micro_batch_every_time, "mlp",
                                             "the first micro-batch fed k times"),
+    "clip_grad_value_ every micro-step": Cell(clamp_per_micro_step, "mlp",
+                                              "clamped entry by entry at 0.02 after every micro-batch"),
 }
 BUGS_RANKS = {
     "2 ranks: DDP + all_reduce(SUM)": Cell(ddp_all_reduce_sum, "mlp", "remove the all_reduce", splits=(1, 3),

@@ -110,7 +110,7 @@ def test_on_two_ranks_a_correct_loop_passes_and_each_bug_is_named_with_a_fix_tha
     assert "called all_reduce(SUM) on 4 gradients" in message and "is 2x the full batch's" in message
 
 
-# Issue 41, item 8: the 13 loops of independent_matrix.BUGS from "clip before unscale" on had only
+# Issue 41, item 8: the 14 loops of independent_matrix.BUGS from "clip before unscale" on had only
 # candidates on b6bbc83 (or a wrong name); each is named now by test_a_buggy_loop_is_caught_...
 def divided_by_first_items(model, optimizer, micro_batches):
     total = m.items(micro_batches[0])  # the first micro-batch's items, for the whole window

@@ -19,6 +19,7 @@ from typing import Any
 
 from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
+from gradaccum.testing._clamp import clamped
 from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import Compared, flat
 from gradaccum.testing._evidence import (
@@ -216,6 +217,7 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
                        "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
     read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
                                batch_counts(ctx.job.batch), k) if ctx.loss_fn else None
+    read = read or (clamped(probes, ctx.tol) if ctx.loss_fn else None)
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),

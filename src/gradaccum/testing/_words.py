@@ -8,10 +8,10 @@ from collections.abc import Iterable
 __all__ = [
     "CLIP_EACH", "CLIP_OWN", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "MOVED", "NO_UPDATE",
     "ONE_COUNT_ALIKE", "RATIO", "ROWS", "SCALE", "SCHEDULER_FIRST", "STALE", "SUPPORT", "amount",
-    "backward_times", "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n", "l2_penalty",
-    "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
-    "rank_scale", "ranks_apart", "ratio_rule", "reduced_twice", "rows_count", "scale_left", "scheduler",
-    "twice", "weightings", "wrong_count"
+    "backward_times", "clamped", "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n",
+    "l2_penalty", "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient",
+    "not_divided", "rank_scale", "ranks_apart", "ratio_rule", "reduced_twice", "rows_count", "scale_left",
+    "scheduler", "twice", "weightings", "wrong_count"
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -162,6 +162,15 @@ def decay_by_hand(rate: float, every: bool) -> str:
                 "optimizer's weight_decay (AdamW)")
     return (f"a weight decay applied by hand once per window, outside the optimizer (the parameters times "
             f"1 - {rate:.4g}), which the reference does not apply: use the optimizer's weight_decay")
+
+
+def clamped(each: bool, value: str) -> str:
+    """A gradient clamped entry by entry at ``value``: after every micro-batch, or once."""
+    if each:
+        return (f"clamped entry by entry at {value} after every micro-batch (clip_grad_value_ inside the "
+                "loop): clamp once per window, after the last backward")
+    return (f"clamped entry by entry at {value} (clip_grad_value_), which the reference does not apply "
+            "(clamp in loss_fn's reference too, or clip by norm: clip_norm=)")
 
 
 def scale_left(m: int) -> str:
