@@ -370,6 +370,132 @@ def ddp_rank_local_tokens(model, optimizer, micro_batches):
     optimizer.zero_grad()
 
 
+# Issue 41, item 8: loops the helper had only candidates for on b6bbc83 (or named wrongly).
+LOSS_SCALE = 2.0 ** 16  # a GradScaler's scale at the start
+
+
+def clip_before_unscale(model, optimizer, micro_batches, clip=1.0):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        (ce(model, batch) * items(batch) / total * LOSS_SCALE).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the gradient still scaled
+    for p in model.parameters():
+        p.grad /= LOSS_SCALE  # unscaled after the clip
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def loss_scale_not_undone(model, optimizer, micro_batches):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        (ce(model, batch) * items(batch) / total * LOSS_SCALE).backward()
+    optimizer.step()  # optimizer.step(), not scaler.step(optimizer)
+    optimizer.zero_grad()
+
+
+def clip_each_own(model, optimizer, micro_batches, clip=1.0):
+    total = sum(items(b) for b in micro_batches)
+    window = [torch.zeros_like(p) for p in model.parameters()]
+    for batch in micro_batches:
+        optimizer.zero_grad()
+        (ce(model, batch) * items(batch) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # this micro-batch's share alone
+        for w, p in zip(window, model.parameters(), strict=True):
+            w += p.grad
+    for w, p in zip(window, model.parameters(), strict=True):
+        p.grad = w
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def first_skipped(model, optimizer, micro_batches):
+    rest = micro_batches[1:]  # the first kept aside (a "peek" at the data), never trained on
+    total = max(sum(items(b) for b in rest), 1)
+    for batch in rest:
+        (ce(model, batch) * items(batch) / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def first_twice(model, optimizer, micro_batches):
+    total = sum(items(b) for b in micro_batches)
+    for i, batch in enumerate(micro_batches):
+        loss = ce(model, batch) * items(batch) / total
+        if i == 0:
+            loss.backward(retain_graph=True)  # a warm-up backward, kept
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def summed_given_as_mean(model, optimizer, micro_batches):
+    acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
+    for batch in micro_batches:
+        acc.backward(tag_loss(model, batch, "sum"), n_items=tokens(batch))  # reduction="sum" missing
+
+
+def mean_given_as_sum(model, optimizer, micro_batches):
+    acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
+    for batch in micro_batches:
+        acc.backward(tag_loss(model, batch), n_items=tokens(batch), reduction="sum")  # a mean loss
+
+
+def decay_by_hand_per_micro_step(model, optimizer, micro_batches, decay=0.1):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        (ce(model, batch) * items(batch) / total).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 - decay * optimizer.param_groups[0]["lr"])  # decoupled decay, per micro-batch
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def scheduler_before_step(model, optimizer, micro_batches, scheduler):
+    scheduler.step()  # at the top of the window
+    hand_item_weighted(model, optimizer, micro_batches)
+
+
+def first_count_for_window(model, optimizer, micro_batches):
+    total = tokens(micro_batches[0])  # the first micro-batch's tokens, for the whole window
+    for batch in micro_batches:
+        (tag_loss(model, batch, "sum") / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def n_items_off_by_one(model, optimizer, micro_batches):
+    acc = gradaccum.Accumulator(optimizer, len(micro_batches), model=model)
+    for batch in micro_batches:
+        acc.backward(tag_loss(model, batch, "sum"), n_items=tokens(batch) + 1, reduction="sum")
+
+
+def same_micro_batch_every_time(model, optimizer, micro_batches):
+    for _ in range(len(micro_batches)):
+        batch = micro_batches[0]  # as next(iter(loader)) inside the loop: the first batch each time
+        (ce(model, batch) / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def clamp_per_micro_step(model, optimizer, micro_batches):
+    total = sum(items(b) for b in micro_batches)
+    for batch in micro_batches:
+        (ce(model, batch) * items(batch) / total).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)  # inside the loop
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def not_divided_clipped(model, optimizer, micro_batches, clip=1.0):
+    for batch in micro_batches:
+        ce(model, batch).backward()  # the sum of k means
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 # ------------------------------------------------------------------------------ the cells
 @dataclass(frozen=True)
 class Cell:
@@ -434,6 +560,31 @@ BUGS = {
         last_micro_batch_only, "mlp+bn", "BatchNorm1d ('1') normalizes each micro-batch with its own mean "
         "and variance in training: no loop over micro-batches gives the full batch's gradient (window "
         "BatchNorm, GroupNorm or frozen statistics: docs/BATCHNORM.md); and only the last micro-batch"),
+    # issue 41, item 8 (b6bbc83: only candidates, or a wrong name)
+    "clip before unscale": Cell(clip_before_unscale, "mlp", "clipped before the loss scale was undone",
+                                clip=CLIP_ONCE),
+    "loss scale not undone": Cell(loss_scale_not_undone, "mlp", "a loss scale not undone: the gradient is "
+                                  "2**16"),
+    "each micro-batch clipped on its own": Cell(clip_each_own, "mlp", "gradient clipped on its own",
+                                                clip=CLIP_EACH),
+    "first micro-batch skipped": Cell(first_skipped, "mlp", "the first micro-batch's gradient never reached"),
+    "first micro-batch twice": Cell(first_twice, "mlp", "the first micro-batch's gradient added 2 times"),
+    "summed loss given as a mean": Cell(summed_given_as_mean, "tagger", "multiplied by its own count"),
+    "mean loss given as a sum": Cell(mean_given_as_sum, "tagger", "divided by its own count"),
+    "decay by hand every micro-step": Cell(
+        decay_by_hand_per_micro_step, "mlp",
+        "a weight decay applied by hand after every micro-batch's backward (the parameters times 1 - 0.1"),
+    "scheduler before the step": Cell(scheduler_before_step, "mlp", "scheduler.step() runs before "
+                                      "optimizer.step()"),
+    "window divided by the first count": Cell(first_count_for_window, "tagger",
+                                              "the window divided by the first micro-batch's count"),
+    "n_items off by one": Cell(n_items_off_by_one, "tagger",
+                               "a count off by 1 on every micro-batch: the window divided by the batch's 46"),
+    "not divided, clipped": Cell(not_divided_clipped, "mlp", "not divided by the steps", clip=CLIP_ONCE),
+    "the same micro-batch every time": Cell(same_micro_batch_every_time, "mlp",
+                                            "the first micro-batch fed k times"),
+    "clip_grad_value_ every micro-step": Cell(clamp_per_micro_step, "mlp",
+                                              "clamped entry by entry at 0.02 after every micro-batch"),
 }
 BUGS_RANKS = {
     "2 ranks: DDP + all_reduce(SUM)": Cell(ddp_all_reduce_sum, "mlp", "remove the all_reduce", splits=(1, 3),

@@ -108,3 +108,69 @@ def test_on_two_ranks_a_correct_loop_passes_and_each_bug_is_named_with_a_fix_tha
     message = said["2 ranks: DDP + all_reduce(SUM)"][1]
     assert "pass model=ddp_model" not in message and "exact on one process" not in message
     assert "called all_reduce(SUM) on 4 gradients" in message and "is 2x the full batch's" in message
+
+
+# Issue 41, item 8: the 14 loops of independent_matrix.BUGS from "clip before unscale" on had only
+# candidates on b6bbc83 (or a wrong name); each is named now by test_a_buggy_loop_is_caught_...
+def divided_by_first_items(model, optimizer, micro_batches):
+    total = m.items(micro_batches[0])  # the first micro-batch's items, for the whole window
+    for batch in micro_batches:
+        (m.ce(model, batch) * m.items(batch) / total).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_two_causes_that_equal_counts_make_alike_are_both_said():
+    # On splits whose micro-batches hold equal counts, N / n_first is k: the window divided by one
+    # micro-batch's count gives what a loss never divided by k gives. Both are said, and what tells
+    # them apart; an uneven split names the one (b6bbc83 named "not divided" alone).
+    caught, message = m.run_cell(m.Cell(divided_by_first_items, "mlp", splits=m.EVEN))
+    assert caught
+    for line in m.split_words(message):
+        assert "not divided by the steps" in line
+        assert "or the window divided by one micro-batch's count" in line
+        assert "an uneven split, splits=[[5, 4, 3]], tells them apart" in line
+    caught, message = m.run_cell(m.Cell(divided_by_first_items, "mlp"))
+    named = "the window divided by the first micro-batch's count, not the window's (sum the counts of all"
+    assert all(named in w for w in m.split_words(message)), message
+    assert "not divided by the steps" not in message
+
+
+def test_a_count_rule_is_read_from_the_weights_over_the_full_batchs_own():
+    from gradaccum.testing._ratios import Shares, ratio_rules
+
+    def shares(sizes, coef):
+        n = torch.tensor(sizes, dtype=torch.float64)
+        return Shares(tuple(sizes), torch.tensor(coef, dtype=torch.float64), n / n.sum())
+
+    # 12 items: the first added twice; every count times its own; the window by the first's count
+    twice = [shares((6, 6), [1.0, 0.5]), shares((5, 4, 3), [10 / 12, 4 / 12, 3 / 12])]
+    assert ratio_rules(twice, [12], 1e-9) == [("first counted", 2, 0)]
+    own = [shares((6, 6), [3.0, 3.0]), shares((5, 4, 3), [25 / 12, 16 / 12, 9 / 12])]
+    assert ratio_rules(own, [12], 1e-9) == [("own count", 0, 12)]
+    first = [shares((6, 6), [1.0, 1.0]), shares((5, 4, 3), [1.0, 0.8, 0.6])]
+    assert ratio_rules(first, [12], 1e-9) == [("first's count", 0, 12)]
+    # even splits alone: the first's count and the last's are one, both said
+    even = [shares((6, 6), [1.0, 1.0]), shares((3, 3, 3, 3), [1.0] * 4)]
+    assert {r[0] for r in ratio_rules(even, [12], 1e-9)} >= {"first's count", "last's count"}
+    # the full batch's own weights: no rule
+    assert ratio_rules([shares((6, 6), [0.5, 0.5]), shares((5, 4, 3), [5 / 12, 4 / 12, 3 / 12])], [12],
+                       1e-9) == []
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("name", ["decay by hand every micro-step", "n_items off by one",
+                                  "summed loss given as a mean"])
+def test_the_count_and_decay_rules_hold_in_float32(name, monkeypatch):
+    # float32's evidence tolerance (1e-3) is no licence for a looser count: the batch's 84 token ids
+    # are no count of what the loss sums, and a decay's factor is read to float32's rounding.
+    def single(make):
+        return lambda: make().float()
+
+    def batch(make):
+        return lambda: tuple(t.float() if t.is_floating_point() else t for t in make())
+
+    monkeypatch.setattr(m, "DATA", {k: (single(a), f, batch(b)) for k, (a, f, b) in m.DATA.items()})
+    cell = m.BUGS[name]
+    caught, message = m.run_cell(cell)
+    assert m.verdict(cell, caught, message) == "named", message

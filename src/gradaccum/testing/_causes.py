@@ -19,6 +19,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from gradaccum.testing import _words as words
 from gradaccum.testing._combination import Placed, Reading, l2_rule, read, readable, solve, support_rule
 from gradaccum.testing._evidence import Probe, close
+from gradaccum.testing._ratios import Shares, ratio_rules
 from gradaccum.testing._runs import Job, Trace
 
 __all__ = ["from_weights", "learning_rate", "mixing", "no_gradient", "reduced_twice", "start_vectors"]
@@ -93,9 +94,11 @@ def mixing(probes: list[Probe], model: Callable[[], nn.Module], tol: float) -> S
 
 
 def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
-                 clip_norm: float | None = None) -> Said | None:
-    """Which micro-batches reached the step, or an L2 term growing with k, read from the weights
-    (over their sum where the gradient was clipped at ``clip_norm``)."""
+                 clip_norm: float | None = None, totals: tuple[int, ...] = (), k: int = 0) -> Said | None:
+    """Which micro-batches reached the step, an L2 term growing with k, or a count taken in the
+    wrong place (:mod:`gradaccum.testing._ratios`; ``totals``: the batch's own counts), read from
+    the weights (over their sum where the gradient was clipped at ``clip_norm``); ``k``: the
+    micro-batches of ``trace``'s split."""
     readings: list[Reading] = []
     for p in probes:
         if p.parts is None:
@@ -109,6 +112,8 @@ def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
     rule = support_rule(readings, tol)
     if rule is not None:
         how, mechanism = _mechanism(rule, trace)
+        if rule == "first" and k > 1 and _repeated(trace, k):
+            how, mechanism = "repeated", mechanism + f" of {k} micro-batches, no zero_grad() between them"
         return (words.SUPPORT[rule, how], "why: the window gradient weights the micro-batches' own "
                 f"gradients {shown}{mechanism}")
     l2 = l2_rule(readings, params, tol)
@@ -119,7 +124,28 @@ def from_weights(probes: list[Probe], trace: Trace, params: Placed, tol: float,
         return (words.l2_penalty(rule),
                 f"why: the window gradient is a weighting of the micro-batches' own gradients plus a "
                 f"multiple of the parameters {', '.join(tensors)} themselves: {held}")
-    return None
+    return _from_ratios(probes, readings, totals, tol, clip_norm, shown)
+
+
+def _from_ratios(probes: list[Probe], readings: list[Reading], totals: tuple[int, ...], tol: float,
+                 clip_norm: float | None, shown: str) -> Said | None:
+    """A count taken in the wrong place: the weights over the full batch's own weights."""
+    shares = []
+    for p, r in zip(probes, readings, strict=True):
+        assert p.parts is not None
+        full = solve(p.parts, p.bases["full"], tol)
+        if full is None or r.decay:
+            return None
+        clipped = clip_norm is not None and float(p.seen.norm()) >= clip_norm * (1 - 1e-4)
+        shares.append(Shares(r.sizes, r.coef, full / full.sum(), clipped))
+    found = ratio_rules(shares, list(totals), tol)
+    if not found:
+        return None
+    said = words.ratio_rule(found)
+    full_shown = ", ".join(f"{_weights(s.full)} on {'+'.join(map(str, s.sizes))}" for s in shares
+                           if len(s.sizes) > 1)
+    return said, (f"why: the window gradient weights the micro-batches' own gradients {shown}, where the "
+                  f"full batch weights them {full_shown}")
 
 
 def start_vectors(job: Job) -> Placed:
@@ -130,6 +156,14 @@ def start_vectors(job: Job) -> Placed:
         out[n] = (offset, values)
         offset += values.numel()
     return out
+
+
+def _repeated(trace: Trace, k: int) -> bool:
+    """The first window held k backward passes and no zero_grad() between them (its one micro-batch
+    that has weight then went through backward k times)."""
+    events = trace.events[0] if trace.events else []
+    return bool(trace.backwards) and trace.backwards[0] == k and not any(
+        kind == "zero_grad" and 0 < b < k for kind, b in events)
 
 
 def _mechanism(rule: str, trace: Trace) -> tuple[str, str]:

@@ -132,6 +132,7 @@ SUPPORT_RULES: dict[str, Rule] = {
     "last": lambda sizes: frozenset({len(sizes) - 1}),
     "first": lambda sizes: frozenset({0}),
     "all but last": lambda sizes: frozenset(range(len(sizes) - 1)),
+    "all but first": lambda sizes: frozenset(range(1, len(sizes))),
     "smaller dropped": lambda sizes: frozenset(i for i, n in enumerate(sizes) if n == max(sizes)),
 }
 

@@ -19,10 +19,22 @@ from typing import Any
 
 from gradaccum.testing import _causes as causes
 from gradaccum.testing import _words as words
+from gradaccum.testing._clamp import clamped
+from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import Compared, flat
-from gradaccum.testing._evidence import Hypothesis, Probe, clip, close, explain
-from gradaccum.testing._naming import evidence, is_token_ratio, name
-from gradaccum.testing._probes import make_probes
+from gradaccum.testing._evidence import (
+    Hypothesis,
+    Probe,
+    clip,
+    close,
+    distinct_bases,
+    explain,
+    scale_under_clip,
+    unit,
+)
+from gradaccum.testing._moved import shrink, why_moved
+from gradaccum.testing._naming import evidence, is_token_ratio, loss_scale, name
+from gradaccum.testing._probes import batch_counts, make_probes
 from gradaccum.testing._runs import Job, Trace, build
 
 __all__ = ["Context", "Finding", "diagnose"]
@@ -64,6 +76,12 @@ def diagnose(c: Compared, ctx: Context) -> Finding:
             return Finding(words.NO_UPDATE, "")
         if len(trace.steps[v]) > 1:
             return Finding(words.many_steps(len(trace.steps[v]), v + 1), "")
+    for v in range(w + 1):
+        if trace.steps[v][0].moved and not ctx.ref.steps[v][0].moved:
+            fine = ctx.tol * 1e-3  # 1e-9 in float64, 1e-6 in float32: rounding, no more
+            factor = shrink(trace.starts[v], trace.steps[v][0].moved, fine)
+            moved, why = why_moved(v + 1, factor, ctx.probes(), 10 * fine)
+            return Finding(f"{words.amount(c.ratio, c.cosine)}: {moved}", why)
     names = list(ctx.job.names)
     seen = flat(trace.steps[w][0].grads, names)
     single = len(ctx.ref.steps[w]) == 1  # the reference is the step itself
@@ -114,9 +132,19 @@ def _learning_rate(c: Compared, ctx: Context, head: str) -> Finding:
         return Finding(f"{head}: {words.scheduler(trace.scheduler_steps[odd], odd + 1, len(c.sizes))}",
                        f"why: the gradient is the full batch's; your step called scheduler.step() "
                        f"{trace.scheduler_steps[odd]} times in window {odd + 1}, and {lrs}")
+    early = next((v for v in range(w + 1) if _scheduler_first(trace.events[v])), None)
+    if early is not None and ctx.job.takes_scheduler and mine != theirs:
+        return Finding(f"{head}: {words.SCHEDULER_FIRST}",
+                       f"why: the gradient is the full batch's; in window {early + 1} your step called "
+                       f"scheduler.step() before optimizer.step(), and {lrs}")
     rate = causes.learning_rate(ctx.probes(), ctx.ref.steps[0][0].lrs[0], len(c.sizes))
     if rate is not None and mine[0] == theirs[0] * len(c.sizes) ** rate[1]:
         return Finding(f"{head}: {rate[0][0]}", rate[0][1])
+    bases = distinct_bases(ctx.probes(), ctx.tol) if mine == theirs and ctx.probes() else []
+    hidden = next((h for h in (_scale_under_clip(ctx, len(c.sizes), b) for b in bases) if h is not None),
+                  None)
+    if hidden is not None:
+        return Finding(f"{head}: {hidden[0]}", hidden[1])
     if mine != theirs:
         return _candidates(f"{words.differs(c.ratio, c.cosine)}: the gradient is the full batch's, {lrs}",
                            ["a scheduler stepped more or less often than once per optimizer step",
@@ -132,7 +160,8 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     probes = ctx.probes()
     mixed = causes.mixing(probes, lambda: build(ctx.job), ctx.tol) if ctx.loss_fn is not None else None
     if mixed is not None:  # and which micro-batches the loop left out, or an L2 term, if the weights say
-        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm)
+        also = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
+                                   k=k)
         if also is None:
             return Finding(f"{head}: {mixed[0]}", mixed[1])
         return Finding(f"{head}: {mixed[0]}; and {also[0]}",
@@ -159,20 +188,36 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     # A constant factor below 1 is also what clipping the helper was not told of gives.
     hidden_clip = ctx.clip_norm is None and float(seen.norm()) < float(full.norm()) and (
         h is None or (h.family == "constant" and not is_token_ratio(h.param, ctx.job, ctx.tol)))
+    scaled = _clipped_scaled(h, seen, ctx.clip_norm, ctx.tol)
+    if scaled is not None:
+        ks = evidence(Hypothesis("full", "exact"), probes, None).split(", for ", 1)[1]
+        ks = ks.split(", and no other")[0]
+        return Finding(f"{head}: {scaled}", f"why: the window gradient is the full batch's direction at the "
+                       f"norm {float(seen.norm()):.6g}, for {ks}")
     if h is not None and not hidden_clip:
         why = "why: " + evidence(h, probes, ctx.clip_norm)
         repeated = _repeated_backward(h, c.traces[0], k)
         if repeated is not None:
             return Finding(f"{head}: {words.backward_times(repeated)}",
                            f"{why}; {repeated * k} backward passes in a window of {k} micro-batches")
+        if h == Hypothesis("full", "not divided") and _equal_counts(probes, ctx.tol):
+            return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}; {words.ONE_COUNT_ALIKE}", why)
         return Finding(f"{head}: {name(h, k, ctx.job, ctx.tol)}", why)
+    if len(standing) > 1 and {s.family for s in standing} == {"clip own"}:  # every share clipped: no weights
+        return Finding(f"{head}: {words.CLIP_OWN}", "why: " + evidence(standing[0], probes, ctx.clip_norm) +
+                       f"; the shares weighted {words.weightings(s.base for s in standing[1:])} give them "
+                       "too (each clipped on its own, their weights do not show)")
     weighting = {s.base for s in standing}
+    hidden = _scale_under_clip(ctx, k, standing[0].base) if len(weighting) == 1 else None
+    if hidden is not None:  # the weighting is known, its scale read from clipping's 1e-6
+        return Finding(f"{head}: {hidden[0]}", hidden[1])
     if len(weighting) == 1 and "full" not in weighting:  # the weighting is known, its scale clipped
         h = standing[0]
         return Finding(f"{head}: {name(Hypothesis(h.base, 'exact'), k, ctx.job, ctx.tol)} (its scale "
                        "hidden by clipping)", "why: " + evidence(h, probes, ctx.clip_norm, scale_hidden=True))
-    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm) \
-        if ctx.loss_fn else None
+    read = causes.from_weights(probes, c.traces[0], causes.start_vectors(ctx.job), ctx.tol, ctx.clip_norm,
+                               batch_counts(ctx.job.batch), k) if ctx.loss_fn else None
+    read = read or (clamped(probes, ctx.tol) if ctx.loss_fn else None)
     if read is not None:
         return Finding(f"{head}: {read[0]}", read[1])
     turned = not close(seen / max(float(seen.norm()), 1e-300), full / max(float(full.norm()), 1e-300),
@@ -186,6 +231,59 @@ def _first_window(c: Compared, ctx: Context, head: str, seen: Any, full: Any) ->
     if ctx.loss_fn is None:
         listed.append("(pass loss_fn: the evidence is sharper against a reference of its own)")
     return _candidates(words.differs(c.ratio, c.cosine), listed)
+
+
+def _scale_under_clip(ctx: Context, k: int, base: str = "full") -> tuple[str, str] | None:
+    """A weighting's direction (the full batch's by default), clipped, at a scale read from
+    clip_grad_norm_'s 1e-6: a rule of k (or a constant) that holds on every probe."""
+    if ctx.clip_norm is None or ctx.loss_fn is None or ctx.tol > 1e-5:
+        return None
+    probes = [p for p in ctx.probes() if base in p.bases]
+    found = [(len(p.sizes), scale_under_clip(p.seen, p.bases[base], ctx.clip_norm)) for p in probes
+             if close(unit(p.seen), unit(p.bases[base]), ctx.tol)]
+    scales = sorted({(n, s) for n, s in found if s is not None})
+    if len({n for n, _ in scales}) < 2 or len(scales) < len(found) or len(found) < len(probes):
+        return None
+    for h in (Hypothesis(base, "exact"), Hypothesis(base, "not divided"), Hypothesis(base, "twice"),
+              Hypothesis(base, "constant", scales[0][1])):
+        if all(abs(s / h.factor(n) - 1) <= 1e-4 for n, s in scales) and h != Hypothesis("full", "exact"):
+            shown = ", ".join(dict.fromkeys(f"{s:.4g} on {n}" for n, s in scales))
+            ks = ", ".join(dict.fromkeys(str(n) for n, _ in scales))
+            by = (f"that weighting at its own scale on k = {ks} micro-batches" if h.family == "exact" else
+                  f"it scaled by {shown} micro-batches")
+            hides = "" if h.family == "exact" else (
+                ": clipping hides the scale while it binds (clip_grad_norm_'s 1e-6 shows it), not on a "
+                "window whose gradient is below the clip norm")
+            return (f"{name(h, k, ctx.job, ctx.tol)}{hides}",
+                    f"why: the window gradient has the direction of the micro-batches weighted "
+                    f"{words.weightings([base])}, clipped at {ctx.clip_norm:g}, and its norm short of the "
+                    f"clip norm by what {by} gives (clip_grad_norm_ divides by the norm + 1e-6)")
+    return None
+
+
+def _equal_counts(probes: list[Probe], tol: float) -> bool:
+    """Every split tried weights its micro-batches equally in the full batch (equal counts)."""
+    for p in probes:
+        full = solve(p.parts, p.bases["full"], tol) if p.parts is not None else None
+        if full is None or float(full.max() - full.min()) > tol * float(full.abs().max()):
+            return False
+    return True
+
+
+def _scheduler_first(events: list[tuple[str, int]]) -> bool:
+    """The window's one scheduler step came before its optimizer step."""
+    kinds = [kind for kind, _ in events]
+    return kinds.count("scheduler") == 1 and "step" in kinds and \
+        kinds.index("scheduler") < kinds.index("step")
+
+
+def _clipped_scaled(h: Hypothesis | None, seen: Any, clip_norm: float | None, tol: float) -> str | None:
+    """Clipping before a loss scale was undone: the full batch's direction at a constant norm,
+    ``clip_norm`` over a power of 2, on every split."""
+    if h is None or clip_norm is None or h.base != "full" or h.family != "constant":
+        return None
+    m = loss_scale(clip_norm / max(float(seen.norm()), 1e-300), max(tol, 1e-6), least=1)
+    return words.clipped_scaled(m, clip_norm) if m is not None and m > 0 else None
 
 
 def _repeated_backward(h: Hypothesis, trace: Trace, k: int) -> int | None:

@@ -3,7 +3,7 @@
 A hypothesis is a weighting of the micro-batches (the full batch's, a mean of micro-batch means, a
 mean weighted by their rows or by some count) times a scale rule (1, ``1/k``, ``k``, ``k/N``, a
 constant), clipped as the reference clips; or a weighting's running sum clipped on every
-micro-batch. It stands when it gives
+micro-batch; or its micro-batches' shares each clipped on its own, then summed. It stands when it gives
 the gradient the optimizer saw on every split tried (within a tolerance of the dtype's), and a
 cause is named only when one hypothesis stands; a weighting equal to a simpler one on every split
 (a mean of means over micro-batches of equal counts) is that one, not evidence. One ratio alone
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Hypothesis", "Probe", "clip", "close", "distinct_bases", "explain", "fits", "unit"]
+__all__ = ["Hypothesis", "Probe", "clip", "close", "distinct_bases", "explain", "fits", "scale_under_clip",
+           "unit"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,13 @@ class Probe:
             ``"items"`` (a mean weighted by their rows) and ``"count:<where>"`` /
             ``"shifted:<where>"`` (a mean weighted by a label tensor's count of tokens, before or
             after the shift).
-        clipped_each: by weighting, its running sum clipped after every micro-batch (with a
-            ``loss_fn`` and a clip norm).
+        clipped_each: by weighting, its running sum clipped after every micro-batch, and
+            (``"own:<weighting>"``) the sum of its micro-batches' shares each clipped on its own
+            (with a ``loss_fn`` and a clip norm).
         parts: each micro-batch's own gradient, one row each (with a ``loss_fn``), or None.
         lrs: each parameter group's learning rate at the step.
+        shrink: the one factor the parameters were scaled by outside the step (1.0: unmoved; None:
+            moved otherwise).
     """
 
     sizes: tuple[int, ...]
@@ -44,6 +48,7 @@ class Probe:
     clipped_each: dict[str, torch.Tensor] = field(default_factory=dict)
     parts: torch.Tensor | None = None
     lrs: tuple[float, ...] = ()
+    shrink: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class Hypothesis:
         if self.family == "fixed":
             return k / self.param
         return {"exact": 1.0, "twice": 1.0 / k, "not divided": float(k), "constant": self.param,
-                "clip each": 1.0}[self.family]
+                "clip each": 1.0, "clip own": 1.0}[self.family]
 
 
 def clip(vector: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -67,6 +72,16 @@ def clip(vector: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if max_norm is None:
         return vector
     return vector * min(1.0, max_norm / (float(vector.norm()) + 1e-6))
+
+
+def scale_under_clip(seen: torch.Tensor, pre: torch.Tensor, max_norm: float) -> float | None:
+    """``s`` when ``seen`` is ``s * pre`` clipped at ``max_norm``, read from the ``1e-6`` that
+    ``clip_grad_norm_`` adds to the norm (``|seen| = max_norm * s|pre| / (s|pre| + 1e-6)``): the
+    scale that clipping otherwise hides. float64 only: the difference is about 1e-7 of the norm."""
+    n, f = float(seen.norm()), float(pre.norm())
+    if seen.dtype != torch.float64 or f == 0 or not 0 < max_norm - n < 1e-4 * max_norm:
+        return None
+    return 1e-6 * n / (f * (max_norm - n))
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -84,6 +99,10 @@ def fits(h: Hypothesis, probe: Probe, clip_norm: float | None, tol: float) -> bo
     if h.family == "clip each":
         each = probe.clipped_each.get(h.base)
         return each is not None and close(probe.seen, each, tol)
+    if h.family == "clip own":  # the clipped shares' sum, clipped again at the window or not
+        own = probe.clipped_each.get(f"own:{h.base}")
+        return own is not None and (close(probe.seen, own, tol)
+                                    or close(probe.seen, clip(own, clip_norm), tol))
     base = probe.bases.get(h.base)
     if base is None:
         return False
@@ -127,7 +146,8 @@ def _candidates(probes: list[Probe], clip_norm: float | None, tol: float) -> lis
             if c > 0 and not math.isclose(c, 1.0, rel_tol=tol):
                 out.append(Hypothesis(base, "constant", c))
             break
-    out += [Hypothesis(base, "clip each") for base in distinct_bases(probes, tol)
+    out += [Hypothesis(base, family) for family in ("clip each", "clip own")
+            for base in distinct_bases(probes, tol)
             if all(base in p.clipped_each for p in probes)]
     return out
 

@@ -4,13 +4,15 @@ says what the probes showed."""
 
 from __future__ import annotations
 
+import math
+
 from gradaccum.testing import _words as words
 from gradaccum.testing._evidence import Hypothesis, Probe
 from gradaccum.testing._probes import IGNORE_INDEX, batch_tensors, label_tensors
 from gradaccum.testing._runs import Job
 from gradaccum.torch.memory.split import batch_size
 
-__all__ = ["evidence", "is_token_ratio", "name"]
+__all__ = ["evidence", "is_token_ratio", "loss_scale", "name"]
 
 
 def name(h: Hypothesis, k: int, job: Job, tol: float) -> str:
@@ -19,6 +21,7 @@ def name(h: Hypothesis, k: int, job: Job, tol: float) -> str:
         return words.HIDDEN_SCALE
     scale = {"twice": words.twice(k), "not divided": words.not_divided(k), "exact": "",
              "fixed": words.fixed_n(k, int(h.param)), "clip each": words.CLIP_EACH,
+             "clip own": words.CLIP_OWN,
              "constant": _constant(h.param, job, tol)}[h.family]
     if h.base == "full":
         return scale
@@ -43,6 +46,15 @@ def is_token_ratio(factor: float, job: Job, tol: float) -> bool:
     return _token_ratio(factor, job, tol) is not None
 
 
+def loss_scale(factor: float, tol: float, least: int = 8) -> int | None:
+    """``m`` when ``factor`` is ``2**m`` or ``2**-m`` for ``least <= m <= 24``: a loss scale (a
+    GradScaler's is a power of 2, 2**16 at the start); else None."""
+    if factor <= 0:
+        return None
+    m = round(math.log2(factor))
+    return m if least <= abs(m) <= 24 and abs(factor / 2.0 ** m - 1) <= 10 * tol else None
+
+
 def _constant(factor: float, job: Job, tol: float) -> str:
     """A constant factor, named an unshifted token count when it is the batch's ratio of counts,
     and a count of rows when it is a label tensor's tokens per row."""
@@ -61,6 +73,9 @@ def _constant(factor: float, job: Job, tol: float) -> str:
     for where, tensor in batch_tensors(job.batch):  # a mean over elements (MSE's), never taken
         if tensor.numel() > 1 and abs(factor - tensor.numel()) <= tol * factor:
             return words.never_divided(f"{tensor.numel()} elements of {where}")
+    m = loss_scale(factor, tol)
+    if m is not None:
+        return words.scale_left(m)
     return words.wrong_count(factor, None)
 
 
@@ -71,7 +86,7 @@ def evidence(h: Hypothesis, probes: list[Probe], clip_norm: float | None, scale_
     splits = ", ".join("+".join(map(str, p.sizes)) for p in ordered)
     rule = {"exact": "", "twice": " divided by k", "not divided": " times k",
             "fixed": f" times k/{int(h.param)}", "constant": f" times {h.param:.4g}",
-            "clip each": ""}[h.family]
+            "clip each": "", "clip own": ""}[h.family]
     if h.base == "full":
         said = f"the full batch's gradient{rule}"
     elif h.base == "means":
@@ -85,8 +100,12 @@ def evidence(h: Hypothesis, probes: list[Probe], clip_norm: float | None, scale_
     if h.family == "clip each":
         of = "" if h.base == "full" else " of " + said
         said = f"the running sum{of} clipped at {clip_norm:g} after every micro-batch"
+    if h.family == "clip own":
+        of = "the micro-batches' shares" if h.base == "full" else "the shares of " + said
+        said = f"the sum of {of}, each clipped at {clip_norm:g} on its own"
     if scale_hidden:
         said = said.removesuffix(rule) + " at some scale"
-    clipped = "" if clip_norm is None or h.family == "clip each" else f", clipped at {clip_norm:g}"
+    clipped = "" if clip_norm is None or h.family in ("clip each", "clip own") else \
+        f", clipped at {clip_norm:g}"
     return (f"the window gradient is {said}{clipped}, for k = {ks} micro-batches ({splits}), and no "
             "other known mistake gives these gradients")

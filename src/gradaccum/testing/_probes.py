@@ -14,10 +14,11 @@ from torch import nn
 from gradaccum.testing._combination import solve
 from gradaccum.testing._compare import flat
 from gradaccum.testing._evidence import Probe, clip
+from gradaccum.testing._moved import shrink
 from gradaccum.testing._runs import Job, Trace, build, grads_of, run_split
 from gradaccum.torch.memory.split import batch_size, split_batch
 
-__all__ = ["IGNORE_INDEX", "batch_tensors", "label_tensors", "make_probes", "probe_sizes"]
+__all__ = ["IGNORE_INDEX", "batch_counts", "batch_tensors", "label_tensors", "make_probes", "probe_sizes"]
 
 IGNORE_INDEX = -100  # the label PyTorch's and Hugging Face's token losses skip
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -51,6 +52,15 @@ def label_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     """The batch's integer tensors with a sequence dimension (labels, token ids), by where they are."""
     return [(where, t) for where, t in batch_tensors(batch) if t.dim() >= 2
             and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)]
+
+
+def batch_counts(batch: Any) -> tuple[int, ...]:
+    """The batch's own counts a loss may average over: each label tensor's tokens (those not
+    ``IGNORE_INDEX``), before and after the shift, then its rows."""
+    out = []
+    for _, labels in label_tensors(batch):
+        out += [int((labels != IGNORE_INDEX).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())]
+    return (*out, batch_size(batch))
 
 
 def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_fn: LossFn | None,
@@ -93,7 +103,8 @@ def make_probes(job: Job, ref: Trace, known: dict[tuple[int, ...], Trace], loss_
             bases.update({name: w @ parts for name, w in weights.items() if name != "full"})
             if clip_norm is not None:
                 each = _clipped_each(parts, weights, clip_norm)
-        probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs))
+        probes.append(Probe(sizes, seen, bases, each, parts, trace.steps[0][0].lrs,
+                            shrink(trace.starts[0], trace.steps[0][0].moved, tol * 1e-3)))
     return probes
 
 
@@ -134,11 +145,15 @@ def _weights(job: Job, sizes: tuple[int, ...], parts: torch.Tensor | None = None
 
 def _clipped_each(parts: torch.Tensor, weights: dict[str, torch.Tensor],
                   clip_norm: float) -> dict[str, torch.Tensor]:
-    """For each weighting, its running sum clipped after every micro-batch."""
+    """For each weighting, its running sum clipped after every micro-batch (``name``), and the sum
+    of its micro-batches' shares each clipped on its own (``own:name``)."""
     out = {}
     for name, w in weights.items():
         each = torch.zeros_like(parts[0])
+        own = torch.zeros_like(parts[0])
         for weight, g in zip(w, parts, strict=True):
             each = clip(each + weight * g, clip_norm)
+            own = own + clip(weight * g, clip_norm)
         out[name] = each
+        out[f"own:{name}"] = own
     return out

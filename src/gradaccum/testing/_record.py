@@ -1,6 +1,7 @@
-"""What one run records while the step runs: at every ``optimizer.step()`` the gradient and the
-learning rate; the scheduler's steps; the order of the window's backward passes, ``zero_grad()``
-calls and steps; and, on ranks, the ``all_reduce`` calls the step makes on a gradient itself."""
+"""What one run records while the step runs: at every ``optimizer.step()`` the gradient, the
+learning rate and the parameters (against those the window opened with); the scheduler's steps;
+the order of the window's backward passes, ``zero_grad()`` calls, scheduler steps and optimizer
+steps; and, on ranks, the ``all_reduce`` calls the step makes on a gradient itself."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from torch import nn
 
 from gradaccum.torch.accumulator import Accumulator
 
-__all__ = ["Recorder", "StepSeen", "Trace", "grads_of"]
+__all__ = ["Recorder", "StepSeen", "Trace", "grads_of", "values_of"]
 
 
 @dataclass(frozen=True)
 class StepSeen:
-    """One ``optimizer.step()``: each group's learning rate and each parameter's gradient."""
+    """One ``optimizer.step()``: each group's learning rate, each parameter's gradient and, where
+    the step found the parameters moved since the window opened, their values (else empty)."""
 
     lrs: tuple[float, ...]
     grads: dict[str, torch.Tensor]
+    moved: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,8 +41,9 @@ class Trace:
             does not clip).
         accumulator: an Accumulator stepped the optimizer.
         error: what the step raised in a later window (the run stopped there; local runs only).
-        events: each window's ``("zero_grad", b)`` and ``("step", b)`` in order, ``b`` the backward
-            passes that had reached the parameters by then in the window.
+        events: each window's ``("zero_grad", b)``, ``("scheduler", b)`` and ``("step", b)`` in
+            order, ``b`` the backward passes that had reached the parameters by then in the window.
+        starts: every parameter (float64) as each window opened.
         backwards: the backward passes that reached the parameters in each window.
         grad_reduces: each window's ``all_reduce`` calls on a parameter's ``.grad`` made by the
             step itself (their ops: ``"SUM"``, ...; ranks only).
@@ -55,6 +59,13 @@ class Trace:
     events: list[list[tuple[str, int]]] = field(default_factory=list)
     backwards: list[int] = field(default_factory=list)
     grad_reduces: list[list[str]] = field(default_factory=list)
+    starts: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def values_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, float64, by name (DDP's wrapped module unwrapped)."""
+    inner = getattr(model, "module", model)
+    return {n: p.detach().double().clone() for n, p in inner.named_parameters()}
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -94,6 +105,8 @@ class Recorder:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.trace.scheduler_steps[-1] += 1
+            if self.trace.events:
+                self.trace.events[-1].append(("scheduler", self.backwards()))
             return step(*args, **kwargs)
 
         sched.step = counted
@@ -131,6 +144,7 @@ class Recorder:
         self.trace.scheduler_steps.append(0)
         self.trace.events.append([])
         self.trace.grad_reduces.append([])
+        self.trace.starts.append(values_of(self.model))
         self.counts.clear()
 
     def close_window(self) -> None:
@@ -138,7 +152,7 @@ class Recorder:
 
     def drop_window(self) -> None:
         trace = self.trace
-        for seen in (trace.steps, trace.scheduler_steps, trace.events, trace.grad_reduces):
+        for seen in (trace.steps, trace.scheduler_steps, trace.events, trace.grad_reduces, trace.starts):
             seen.pop()
 
     def remove(self) -> None:
@@ -150,7 +164,10 @@ class Recorder:
 
     def _seen(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         lrs = tuple(float(g["lr"]) for g in opt.param_groups)
-        self.trace.steps[-1].append(StepSeen(lrs, grads_of(self.model)))
+        now = values_of(self.model)
+        start = self.trace.starts[-1] if self.trace.starts else now
+        moved = now if any(not torch.equal(now[n], start[n]) for n in now if n in start) else {}
+        self.trace.steps[-1].append(StepSeen(lrs, grads_of(self.model), moved))
         self.trace.events[-1].append(("step", self.backwards()))
         acc = _stepping_accumulator()
         if acc is not None:

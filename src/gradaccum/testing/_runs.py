@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradaccum.testing._record import Recorder, StepSeen, Trace, grads_of
+from gradaccum.testing._record import Recorder, StepSeen, Trace, grads_of, values_of
 from gradaccum.torch.memory.split import batch_size, split_batch
 
 __all__ = ["Job", "StepSeen", "Trace", "build", "full_batch_reference", "grads_of", "halve_each_window",
@@ -53,10 +53,7 @@ def build(job: Job) -> nn.Module:
     return model
 
 
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, float64, by name (DDP's wrapped module unwrapped)."""
-    inner = getattr(model, "module", model)
-    return {n: p.detach().double().clone() for n, p in inner.named_parameters()}
+params_of = values_of
 
 
 def _parts(job: Job, model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:

@@ -3,11 +3,15 @@ so that a diagnosis and a list of candidates say the same thing the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
-    "CLIP_EACH", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "NO_UPDATE", "ROWS", "SCALE",
-    "STALE", "SUPPORT", "amount", "backward_times", "count_weights", "differs", "fixed_n", "l2_penalty",
-    "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient", "not_divided",
-    "rank_scale", "ranks_apart", "reduced_twice", "rows_count", "scheduler", "twice", "wrong_count",
+    "CLIP_EACH", "CLIP_OWN", "DIRECTION", "HIDDEN_SCALE", "LATER", "LAYERS", "MEANS", "MOVED", "NO_UPDATE",
+    "ONE_COUNT_ALIKE", "RATIO", "ROWS", "SCALE", "SCHEDULER_FIRST", "STALE", "SUPPORT", "amount",
+    "backward_times", "clamped", "clipped_scaled", "count_weights", "decay_by_hand", "differs", "fixed_n",
+    "l2_penalty", "learning_rate", "many_steps", "mixing_layer", "never_divided", "no_gradient",
+    "not_divided", "rank_scale", "ranks_apart", "ratio_rule", "reduced_twice", "rows_count", "scale_left",
+    "scheduler", "twice", "weightings", "wrong_count"
 ]
 
 NO_UPDATE = "no update at all: the optimizer never stepped (a window left pending: flush it)"
@@ -19,6 +23,9 @@ LAYERS = ("a layer that mixes samples or draws random numbers (gradaccum.check_e
 HIDDEN_SCALE = ("a gradient at another scale, which clipping hides (its direction is the full "
                 "batch's on every split)")
 CLIP_EACH = "clipped on every micro-batch: clip once per window, after the last backward"
+CLIP_OWN = ("each micro-batch's gradient clipped on its own before it is added to the window's (a "
+            "gradient cleared, clipped and summed into a buffer per micro-batch): clip once per window, "
+            "the sum, after the last backward")
 ROWS = ("an n_items (or weight) that counts sequences (rows) or padded positions where the loss "
         "averages tokens: weight each micro-batch by its tokens (n_items=count_tokens(labels))")
 # Which micro-batches' gradients reached the step (the rules of _combination.SUPPORT_RULES), by how
@@ -35,8 +42,38 @@ SUPPORT = {
                              "step (keep every micro-batch, a short last one too, weighted by its items)",
     ("first", ""): "only the first micro-batch's gradient reached the step (the loop stops after it, "
                    "or the later ones are cleared)",
+    ("first", "repeated"): "the first micro-batch fed k times, the others never: each backward ran on the "
+                           "same micro-batch (next(iter(loader)) inside the loop starts a new iterator each "
+                           "time: make the iterator once, outside the loop)",
     ("all but last", ""): "the last micro-batch's gradient never reached the step (a loop over the "
                           "micro-batches that stops one short)",
+    ("all but first", ""): "the first micro-batch's gradient never reached the step (a loop that skips "
+                           "it, micro_batches[1:], or clears its gradient after it)",
+}
+SCHEDULER_FIRST = ("scheduler.step() runs before optimizer.step() in the window: every step takes the "
+                   "next window's learning rate (step the scheduler after optimizer.step())")
+ONE_COUNT_ALIKE = ("or the window divided by one micro-batch's count, not the window's: on every split "
+                   "tried the micro-batches hold equal counts, so the two give the same gradient (an uneven "
+                   "split, splits=[[5, 4, 3]], tells them apart)")
+MOVED = ("the parameters changed outside optimizer.step(), before the step (an update or edit of your "
+         "own between the backward passes: leave the parameters to the optimizer)")
+# A count taken in the wrong place (the rules of _ratios.ratio_rules), by rule: {m}, {n} filled in.
+RATIO = {
+    "first counted": "the first micro-batch's gradient added {m} times, every other one's once (a "
+                     "backward() run {m} times on its loss, a warm-up or check before the loop)",
+    "last counted": "the last micro-batch's gradient added {m} times, every other one's once (a "
+                    "backward() run again on the last loss after the loop)",
+    "own count": "each micro-batch's gradient multiplied by its own count: a summed loss given where a "
+                 "mean is expected (with a summed loss pass reduction='sum' to the Accumulator, or "
+                 "divide by the window's count)",
+    "over own count": "each micro-batch's gradient divided by its own count: a mean loss given where a "
+                      "sum is expected (reduction='sum' with a mean loss: drop it, or pass the summed loss)",
+    "first's count": "the window divided by the first micro-batch's count, not the window's (sum the "
+                     "counts of all the window's micro-batches)",
+    "last's count": "the window divided by the last micro-batch's count, not the window's (sum the "
+                    "counts of all the window's micro-batches)",
+    "off by": "a count off by {m} on every micro-batch: the window divided by the batch's {n} plus "
+              "{m} per micro-batch (count exactly what the loss sums: n_items=count_tokens(labels))",
 }
 COUNT_SHIFT = ("an n_items that counts {where}'s tokens before the shift, where the loss averages "
                "those after it (count_tokens(labels, shift=True))")
@@ -55,6 +92,23 @@ DIRECTION = ("a per-micro-batch mean instead of per-token (or per-item; pass n_i
 LATER = ("a gradient left in .grad from the previous window (zero_grad missing)",
          "state your step keeps from one window to the next (a count or an accumulator not reset)",
          "a learning rate or clipping that differs after the first window")
+
+
+def weightings(bases: Iterable[str]) -> str:
+    """``as a mean of micro-batch means``: the weightings of _evidence, said briefly."""
+    said = {"full": "as the full batch", "means": "as a mean of micro-batch means", "items": "by their rows"}
+    return " or ".join(said.get(b) or f"by {b.split(':', 1)[1]}'s token counts" for b in bases)
+
+
+def ratio_rule(found: list[tuple[str, int, int]]) -> str:
+    """The rules of _ratios that hold (``(name, m, N)``): one named, or the few these splits leave."""
+    said = [RATIO[name].format(m=m, n=n) for name, m, n in found]
+    if len(said) == 1:
+        return said[0]
+    if {f[0] for f in found} == {"first's count", "last's count"}:
+        return ("the window divided by one micro-batch's count, not the window's: the first's or the "
+                "last's, equal on every split tried (sum the counts of all the window's micro-batches)")
+    return "one of these, which the splits tried cannot tell apart: " + "; or ".join(said)
 
 
 def amount(ratio: float, cosine: float) -> str:
@@ -98,6 +152,43 @@ def wrong_count(factor: float, where: str | None, shifted: int = 0, counted: int
                 f"shift and is divided by the {counted} counted before it (count_tokens(labels, shift=True))")
     return (f"a token count taken after a shift the loss does not make: the loss sums the {shifted} "
             f"tokens of {where} and is divided by {counted}")
+
+
+def decay_by_hand(rate: float, every: bool) -> str:
+    """Parameters shrunk by ``rate`` outside the step: after every backward, or once a window."""
+    if every:
+        return (f"a weight decay applied by hand after every micro-batch's backward (the parameters times "
+                f"1 - {rate:.4g} each time, k times a window): apply it once per window, or use the "
+                "optimizer's weight_decay (AdamW)")
+    return (f"a weight decay applied by hand once per window, outside the optimizer (the parameters times "
+            f"1 - {rate:.4g}), which the reference does not apply: use the optimizer's weight_decay")
+
+
+def clamped(each: bool, value: str) -> str:
+    """A gradient clamped entry by entry at ``value``: after every micro-batch, or once."""
+    if each:
+        return (f"clamped entry by entry at {value} after every micro-batch (clip_grad_value_ inside the "
+                "loop): clamp once per window, after the last backward")
+    return (f"clamped entry by entry at {value} (clip_grad_value_), which the reference does not apply "
+            "(clamp in loss_fn's reference too, or clip by norm: clip_norm=)")
+
+
+def scale_left(m: int) -> str:
+    """A gradient still multiplied (``m > 0``) or divided (``m < 0``) by a loss scale ``2**|m|``."""
+    if m > 0:
+        return (f"a loss scale not undone: the gradient is 2**{m} = {2 ** m}x the full batch's on every "
+                "split, a GradScaler's scale still on it (step through scaler.step(optimizer), or call "
+                "scaler.unscale_(optimizer) before anything reads the gradient)")
+    return (f"a loss scale undone twice: the gradient is 1/2**{-m} of the full batch's on every split "
+            "(scaler.unscale_ and a division of your own: keep one)")
+
+
+def clipped_scaled(m: int, clip_norm: float) -> str:
+    """Clipped while the gradient still held a loss scale ``2**m``."""
+    return (f"clipped before the loss scale was undone: the gradient's norm is clip_norm/2**{m} "
+            f"({clip_norm:g}/{2 ** m}) on every split, as when clip_grad_norm_ sees the gradient still "
+            f"multiplied by a GradScaler's scale {2 ** m} (call scaler.unscale_(optimizer) before "
+            f"clipping); the only other loop that gives it clips at {clip_norm / 2 ** m:.4g} itself")
 
 
 def backward_times(m: int) -> str:
