@@ -21,10 +21,12 @@ step does lives in the modules named above. The per-micro-step path is ``backwar
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -60,6 +62,28 @@ from gradaccum.torch.distributed.selector import PendingSync, make_sync
 from gradaccum.torch.pipeline.sync import PipelineSync
 
 __all__ = ["Accumulator", "MicroBatch"]
+
+_FEEDS = ("backward", "backward_cached", "micro_batch", "backward_pipeline")
+
+
+def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an :class:`Accumulator` run while it holds the accumulator's lock, taken
+    without waiting (another call running is refused). ``state_dict`` may also run from the
+    accumulator's own hooks (a checkpoint at a boundary), in the thread running them."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def exclusive(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._lock.acquire(False):
+            if name == "state_dict" and self._in_hooks == threading.get_ident():
+                return method(self, *args, **kwargs)  # read-only, inside the call that holds it
+            self._refuse(name)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock.release()
+
+    return exclusive
 
 
 class Accumulator:
@@ -120,8 +144,10 @@ class Accumulator:
 
 
     _window: Window
-    _entered = False  # a feeding call (or flush) is running: another one is refused
-    _in_block = False  # the user's code inside a micro_batch() block is running
+    # The thread running the user's code inside a micro_batch() block, or this accumulator's hooks
+    # (set only while _lock is held): a call refused there is named as from that place.
+    _in_block: int | None = None
+    _in_hooks: int | None = None
 
     def __init__(
         self,
@@ -148,6 +174,9 @@ class Accumulator:
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
         self._sync: GradSync = make_sync(model, sync)
+        # Several data-parallel ranks: a guard's refusal is handed to the sync, which raises it on
+        # every rank at the boundary (raised here alone, it would leave the others in a collective).
+        self._defer: Callable[[str], None] | None = self._sync.defer if self._sync.world_size > 1 else None
         if self._precision.buffers is not None and self._sync.world_size > 1:
             if sync == "micro_batch":
                 raise ValueError("accum_dtype with sync='micro_batch' would reduce every micro-batch's "
@@ -157,6 +186,9 @@ class Accumulator:
         self.model = model
         self.scheduler = scheduler
         self._params = params
+        # Held by every public call that reads or changes the window, taken without waiting:
+        # a call while another runs (another thread, or its own micro_batch() block) is refused.
+        self._lock = threading.Lock()
         self._hooks = HookList()  # after a boundary
         self._discard_hooks = HookList()
         self._saves = SaveWatch(self, optimizer)  # an optimizer state saved mid-window without ours
@@ -233,9 +265,8 @@ class Accumulator:
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
-            refuse_entry("backward")
-        self._entered = True
+        if not self._lock.acquire(False):  # inline: no call more on the per-micro-step path
+            self._refuse("backward")
         try:
             summed = reduction == "sum"
             window = self._window
@@ -249,7 +280,7 @@ class Accumulator:
             self._guard.note()
             return self._commit(nxt)
         finally:
-            self._entered = False
+            self._lock.release()
 
     def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
                         chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
@@ -301,7 +332,7 @@ class Accumulator:
             self._guard.note_passes(self._cached.passes, self._cached.loss_params)
             return self._commit(window)
         finally:
-            self._entered = False
+            self._lock.release()
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -336,13 +367,13 @@ class Accumulator:
             self._before_feed(window)
             with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
                             self._commit) as mb:
-                self._in_block = True
+                self._in_block = threading.get_ident()
                 try:
                     yield mb
                 finally:
-                    self._in_block = False
+                    self._in_block = None
         finally:
-            self._entered = False
+            self._lock.release()
 
     def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
                           reduction: Reduction = "mean", **kwargs: Any) -> bool:
@@ -375,7 +406,7 @@ class Accumulator:
             sync = self._sync
             if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
                 sync = attach(schedule, sync, self._params, self._precision, self._window, self)
-                self._sync, self._boundary = sync, step_pipeline_window
+                self._sync, self._boundary, self._defer = sync, step_pipeline_window, sync.defer
                 self._guard.set_exact(exact_grads(sync))  # reduced at the boundary only (or each call)
             nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
                        self._precision, self.clip_norm, self._check_grads)
@@ -384,7 +415,7 @@ class Accumulator:
             sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
             return stepped
         finally:
-            self._entered = False
+            self._lock.release()
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -397,61 +428,59 @@ class Accumulator:
                 ``backward_cached`` call that left the window partly accumulated (:meth:`discard`
                 it); nothing changes.
         """
-        self._refuse_in_block("flush")
-        if self._entered:
-            refuse_entry("flush")
-        refuse_partial(self._partial, self.micro_step)
+        self._enter("flush")
         try:
-            self._guard.grads.check(self._window.micro_step, self._window.size)
-        except RuntimeError as e:
-            if not isinstance(self._sync, PipelineSync):
-                raise  # under DDP/FSDP2 on this rank alone (each rank checks its own gradients)
-            self._sync.defer(str(e))  # every rank raises at the boundary: none waits in the agreement
-        if self._window.terms and not self._window.complete:
-            raise ValueError(
-                f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
-                "term with its own total (mb.term(..., total=)): that total was the full "
-                "window's; discard() it, or give the short window its own totals and steps")
-        self._entered = True
-        try:
+            refuse_partial(self._partial, self.micro_step)
+            try:
+                self._guard.grads.check(self._window.micro_step, self._window.size)
+            except RuntimeError as e:
+                if self._defer is None:
+                    raise
+                self._defer(str(e))  # every rank raises at the boundary: none waits in a collective
+            if self._window.terms and not self._window.complete:
+                raise ValueError(
+                    f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
+                    "term with its own total (mb.term(..., total=)): that total was the full "
+                    "window's; discard() it, or give the short window its own totals and steps")
             self._sync.sync_partial(self._params, self._window.micro_step)
             return not self._window.empty and self._close_window()
         finally:
-            self._entered = False
+            self._lock.release()
 
+    @_exclusive
     def discard(self) -> None:
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
-        self._refuse_in_block("discard")
         basis = self._window.basis
         self._holders.discard_others()
         self._sync.discard()
         self._clear(basis)
         self._guard.scheduled()  # a scheduler step of yours was refused or dropped with the window
         self._open_window(basis)
-        self._discard_hooks(self)
+        self._run_hooks(self._discard_hooks)
 
+    @_exclusive
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins; an
         empty window takes its N at once. Raises TypeError/ValueError unless ``epoch >= 0``."""
         epoch = check_nonneg_int("epoch", epoch)
-        self._refuse_in_block("set_epoch")
         self.epoch = epoch
         if self._window.empty:
             self._open_window(self._window.basis)
 
+    @_exclusive
     def resize_window(self, steps: int) -> None:
         """Give the current, empty window another size (for :class:`gradaccum.AutoBatch`, which
         learns a window's size from its data); the schedule is read again at the next window.
         Raises TypeError/ValueError for ``steps < 1`` or a started window (nothing changes)."""
         n = check_positive_int("steps", steps)
-        self._refuse_in_block("resize_window")
         if not self._window.empty:
             raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
                              f"{self.micro_step} of {self.steps} micro-batches")
         self._window = self._window.resized(n)
         self._sync.prepare(self._window.next_is_last)
 
+    @_exclusive
     def state_dict(self) -> dict[str, Any]:
         """All a bit-exact resume in the middle of a window needs (counters, window, partial
         gradients and losses, the last window's loss); save it beside the model's and optimizer's.
@@ -462,7 +491,6 @@ class Accumulator:
                 call left partly accumulated (``discard()`` it).
         """
         refuse_partial(self._partial, self._window.micro_step)
-        self._refuse_in_block("state_dict")
         if not self._window.empty:
             self._sync.check_saveable()
         state = pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
@@ -470,6 +498,7 @@ class Accumulator:
         self._saves.own_saved(self.windows, self.micro_step)
         return state
 
+    @_exclusive
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
 
@@ -485,7 +514,6 @@ class Accumulator:
             RuntimeError: another live accumulator holds a partial window over these parameters
                 (loading would overwrite its gradients); nothing is changed.
         """
-        self._refuse_in_block("load_state_dict")
         window = check_state(state, self.schedule.describe(), self._params)
         check_size(window, self.schedule)
         self._precision.check_state(state.get("accum"))
@@ -523,26 +551,56 @@ class Accumulator:
         """
         return self._discard_hooks.register(hook)
 
-    # ------------------------------------------------------------------ the window's steps
+    # ------------------------------------------------------------------ one call at a time
     def _enter(self, method: str) -> None:
-        """Refuse ``method`` while another feeding call (or flush) runs; else mark it running (the
-        caller clears the flag when it ends). ``backward`` does the same inline: no call more."""
-        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
-            refuse_entry(method)
-        self._entered = True
+        """Take the accumulator for ``method`` (the caller releases ``_lock`` when it ends), or
+        refuse it while another call holds it. ``backward`` does the same inline: no call more."""
+        if not self._lock.acquire(False):
+            self._refuse(method)
 
-    def _refuse_in_block(self, method: str) -> None:
-        """Refuse ``method`` from the code inside a ``micro_batch()`` block, whose micro-batch is
-        still being fed (its gradients partly added, its window not yet advanced).
+    def _refuse(self, method: str) -> NoReturn:
+        """Refuse ``method``: another call of this accumulator holds it. From the code inside a
+        ``micro_batch()`` block (whose micro-batch is still being fed: its gradients partly added,
+        its window not yet advanced), a call that is not a feed is named as such.
 
         Raises:
             RuntimeError: naming the fix; nothing has changed.
         """
-        if self._in_block:
+        here = threading.get_ident()
+        if self._in_block == here and method not in _FEEDS:
             raise RuntimeError(
                 f"acc.{method}() was called inside an acc.micro_batch() block, whose micro-batch is "
                 "still being fed: leave the block first (to drop the micro-batch, raise out of the "
                 "block, then call acc.discard()); nothing has changed")
+        if self._in_hooks == here:
+            raise RuntimeError(
+                f"acc.{method}() was called from a boundary or discard hook of this accumulator, "
+                "while the call that runs the hook still holds it (only acc.state_dict() may be "
+                "called there): make that call after acc.backward() (or flush(), discard()) "
+                "returns; nothing has changed")
+        refuse_entry(method)
+
+    def _run_hooks(self, hooks: HookList) -> None:
+        """Run ``hooks`` (the call running them holds the accumulator: they may read
+        :meth:`state_dict`, and any other call of theirs is refused)."""
+        self._in_hooks = threading.get_ident()
+        try:
+            hooks(self)
+        finally:
+            self._in_hooks = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``) gets its own lock, free, and no call running."""
+        state = self.__dict__.copy()
+        for key in ("_lock", "_in_block", "_in_hooks"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the window's steps
 
     def _open_window(self, basis: Any) -> None:
         self._partial = None
@@ -559,7 +617,12 @@ class Accumulator:
             refuse_partial(self._partial, window.micro_step)
         if isinstance(self._sync, (PendingSync, PipelineSync)):
             self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
-        self._check_grads(window)
+        try:
+            self._check_grads(window)
+        except RuntimeError as e:
+            if self._defer is None:
+                raise
+            self._defer(str(e))  # the micro-batch runs (its collectives too); the boundary raises
 
     def _check_grads(self, window: Window) -> None:
         """The guards of :meth:`_before_feed`; alone for a ``backward_pipeline`` call (which records
@@ -584,8 +647,7 @@ class Accumulator:
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
         try:
-            defer = self._sync.defer if isinstance(self._sync, PipelineSync) else None
-            with self._guard.own_step(defer):
+            with self._guard.own_step(self._defer):
                 out = self._boundary(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error
@@ -599,7 +661,7 @@ class Accumulator:
         self._clear(out.basis)
         try:
             self._count(out)
-            self._hooks(self)
+            self._run_hooks(self._hooks)
         finally:
             self._open_window(out.basis)
         return out.stepped

@@ -35,6 +35,16 @@ class RankGroups:
         self.device = device
         self.mode = check_sync_mode(mode)
         self.world_size = math.prod(dist.get_world_size(g) for g in self.groups)
+        self.problems: list[str] = []  # this window's guard refusals on this rank (defer)
+        self._flagged: Any = None  # the ranks that deferred one, as reduced at the boundary
+        self._deferred: list[str] = []
+
+    def defer(self, message: str) -> None:
+        """A guard's refusal on this rank alone (an edited or stale gradient, a scheduler stepped
+        outside), kept for the window's boundary: :meth:`reduce_window` tells every rank, and
+        :meth:`raise_deferred` raises it on every rank together. Raised here, it would leave the
+        other ranks waiting in the window's gradient reduction until the process group's timeout."""
+        self.problems.append(message)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         for group in self.groups:
@@ -43,24 +53,48 @@ class RankGroups:
     def reduce_window(self, loss_sum: Any, items: Any,
                       sums: Sequence[Any] = ()) -> tuple[Any, Any, list[Any]]:
         """Average the loss sum and the item total over ranks, and sum ``sums`` (the window's
-        ``mb.term`` counts and totals), in a single all-reduce.
+        ``mb.term`` counts and totals) and the ranks that deferred a refusal (read by
+        :meth:`raise_deferred`), in a single all-reduce.
 
         Gradients are averaged over ranks (DDP and FSDP2 divide by the world size), so the
         averaged item total is the divisor that turns them into the global item-weighted mean.
         """
         present = [v for v in (loss_sum, items) if v is not None]
-        if not present and not sums:
-            return loss_sum, items, []
+        self._deferred, self.problems = self.problems, []
         dtype = wide_dtype(self.device, torch.float32)
         vec = torch.stack([torch.as_tensor(v, device=self.device).reshape(()).to(dtype)
-                           for v in (*present, *sums)])
+                           for v in (*present, *sums, float(bool(self._deferred)))])
         self.all_reduce(vec)
+        self._flagged = vec[-1]
         averaged = (vec[: len(present)] / self.world_size).unbind()
         out = iter(averaged)
         loss = None if loss_sum is None else next(out)
         if isinstance(loss_sum, torch.Tensor) and loss is not None:
             loss = loss.to(loss_sum.dtype)
-        return loss, None if items is None else next(out), list(vec[len(present):].unbind())
+        return loss, None if items is None else next(out), list(vec[len(present):-1].unbind())
+
+    def raise_deferred(self) -> None:
+        """At the boundary, after :meth:`reduce_window`: raise on every rank if any rank deferred
+        a refusal in this window (one host read of the reduced count; the message of the first
+        such rank is then sent to every rank, so all raise the same error).
+
+        Raises:
+            RuntimeError: a rank's guard refused the window; the accumulator drops it.
+        """
+        flagged, self._flagged = self._flagged, None
+        mine, self._deferred = self._deferred, []
+        if flagged is None or not int(flagged.item()):
+            return
+        try:
+            said = [(rank, msgs) for rank, msgs in enumerate(self.gather_objects(mine)) if msgs]
+        except ValueError:  # several process groups (a 2-D mesh): only this rank's own, if any
+            said = [(dist.get_rank(), mine)] if mine else []
+        where, what = (f"rank {said[0][0]}", said[0][1][0]) if said else ("another rank", "see its error")
+        more = f" (and {len(said) - 1} other rank(s))" if len(said) > 1 else ""
+        raise RuntimeError(
+            f"a guard refused this window on {where}{more}, raised on every rank at the window's "
+            "boundary (alone it would have left the other ranks waiting in the gradient reduction): "
+            f"the window is dropped on every rank, its gradients cleared. {where}: {what}")
 
     def agree_count(self, count: Any) -> Any:
         """The largest ``count`` of any rank, as a tensor on the ranks' device (one MAX all-reduce
@@ -179,4 +213,5 @@ class RankGroups:
         self.forward_ran = False
 
     def discard(self) -> None:
-        """Nothing is held outside ``.grad``."""
+        """Nothing is held outside ``.grad``; the window's deferred refusals go with it."""
+        self.problems = []
