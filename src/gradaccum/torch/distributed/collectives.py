@@ -89,12 +89,12 @@ class RankGroups:
             said = [(rank, msgs) for rank, msgs in enumerate(self.gather_objects(mine)) if msgs]
         except ValueError:  # several process groups (a 2-D mesh): only this rank's own, if any
             said = [(dist.get_rank(), mine)] if mine else []
-        where, what = (f"rank {said[0][0]}", said[0][1][0]) if said else ("another rank", "see its error")
-        more = f" (and {len(said) - 1} other rank(s))" if len(said) > 1 else ""
+        where = "rank(s) " + ", ".join(str(rank) for rank, _ in said) if said else "another rank"
+        what = said[0][1][0] if said else "a guard refused this window on another rank (see its error)"
         raise RuntimeError(
-            f"a guard refused this window on {where}{more}, raised on every rank at the window's "
-            "boundary (alone it would have left the other ranks waiting in the gradient reduction): "
-            f"the window is dropped on every rank, its gradients cleared. {where}: {what}")
+            f"{what} [{where}; raised on every rank at the window's boundary, where the window "
+            "is dropped on every rank (its gradients cleared): raised on one rank alone, it would "
+            "have left the others waiting in the gradient reduction]")
 
     def agree_count(self, count: Any) -> Any:
         """The largest ``count`` of any rank, as a tensor on the ranks' device (one MAX all-reduce
