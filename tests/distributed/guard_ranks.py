@@ -112,7 +112,8 @@ SCENARIOS = {
     # FSDP2 with clipping (the norm is a collective at the boundary): "micro_batch" keeps the
     # sharded .grad between micro-batches, where zero_grad() is seen; "window" holds the window's
     # gradients inside FSDP2, and rank 1's scheduler.step() is seen at the boundary.
-    "fsdp_micro_batch_zero_grad": {"kind": "fsdp", "mistake": "zero_grad", "sync": "micro_batch", "clip": 0.2},
+    "fsdp_micro_batch_zero_grad": {"kind": "fsdp", "mistake": "zero_grad", "sync": "micro_batch",
+                                   "clip": 0.2},
     "fsdp_window_scheduler": {"kind": "fsdp", "mistake": "scheduler", "clip": 0.2},
     "fsdp_stale_window_of_one": {"kind": "fsdp", "mistake": "stale", "sync": "micro_batch", "steps": 1,
                                  "clip": 0.2},
@@ -120,4 +121,5 @@ SCENARIOS = {
 
 
 if __name__ == "__main__":
-    run_scenarios({name: (lambda r, w, kw=kw: one_rank_mistake(r, w, **kw)) for name, kw in SCENARIOS.items()})
+    run_scenarios({name: (lambda r, w, kw=kw: one_rank_mistake(r, w, **kw))
+                   for name, kw in SCENARIOS.items()})

@@ -485,8 +485,8 @@ class Held(torch.autograd.Function):
         return g
 
 
-@pytest.mark.parametrize("second", ["backward", "micro_batch", "backward_cached", "flush", "discard", "state_dict",
-                                    "load_state_dict", "set_epoch", "resize_window"])
+@pytest.mark.parametrize("second", ["backward", "micro_batch", "backward_cached", "flush", "discard",
+                                    "state_dict", "load_state_dict", "set_epoch", "resize_window"])
 def test_a_call_from_another_thread_while_one_runs_is_refused_and_counts_nothing(second):
     # One accumulator fed from 2 threads counted 82 or 83 micro-batches of 80, silently; discard(),
     # state_dict() and the others were not refused at all (a discard() there cleared the window

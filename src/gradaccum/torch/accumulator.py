@@ -67,21 +67,23 @@ _FEEDS = ("backward", "backward_cached", "micro_batch", "backward_pipeline")
 
 
 def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` of an :class:`Accumulator` run while it holds the accumulator's lock, taken
+    """``method`` of an :class:`Accumulator` run while it holds the accumulator's token, taken
     without waiting (another call running is refused). ``state_dict`` may also run from the
     accumulator's own hooks (a checkpoint at a boundary), in the thread running them."""
     name = method.__name__
 
     @functools.wraps(method)
     def exclusive(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._lock.acquire(False):
+        try:
+            self._free.pop()
+        except IndexError:
             if name == "state_dict" and self._in_hooks == threading.get_ident():
                 return method(self, *args, **kwargs)  # read-only, inside the call that holds it
             self._refuse(name)
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     return exclusive
 
@@ -115,7 +117,12 @@ class Accumulator:
     A skipped window (non-finite gradient, or a summed window of 0 items) changes no parameter
     and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
     starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures"). An
-    accumulator is not thread-safe: feed it from one thread (a concurrent call raises).
+    accumulator is not thread-safe: feed it from one thread. Every method that reads or changes
+    the window (the feeds, ``flush``, ``discard``, ``state_dict``, ``load_state_dict``,
+    ``set_epoch``, ``resize_window``) raises while another one runs, from another thread or its
+    own ``micro_batch()`` block (a hook may call ``state_dict``); the properties and the
+    ``register_*_hook`` methods take no token. Under DDP/FSDP2, a guard that refuses on one rank
+    raises on every rank at the window's boundary, which drops the window everywhere.
 
     Attributes:
         optimizer_steps: optimizer updates made so far (windows applied, not skipped).
@@ -145,7 +152,7 @@ class Accumulator:
 
     _window: Window
     # The thread running the user's code inside a micro_batch() block, or this accumulator's hooks
-    # (set only while _lock is held): a call refused there is named as from that place.
+    # (set only while a call holds the accumulator): a call refused there is named as from that place.
     _in_block: int | None = None
     _in_hooks: int | None = None
 
@@ -186,9 +193,11 @@ class Accumulator:
         self.model = model
         self.scheduler = scheduler
         self._params = params
-        # Held by every public call that reads or changes the window, taken without waiting:
-        # a call while another runs (another thread, or its own micro_batch() block) is refused.
-        self._lock = threading.Lock()
+        # The accumulator's one token, taken by every public call that reads or changes the window
+        # with list.pop() (atomic: of two threads, one gets it) and put back when it ends: a call
+        # while another runs (another thread, or its own micro_batch() block) finds the list
+        # empty and is refused. A quarter of a threading.Lock's acquire(False) and release().
+        self._free: list[bool] = [True]
         self._hooks = HookList()  # after a boundary
         self._discard_hooks = HookList()
         self._saves = SaveWatch(self, optimizer)  # an optimizer state saved mid-window without ours
@@ -261,11 +270,15 @@ class Accumulator:
             TypeError, ValueError: a bad ``loss``, ``n_items`` or ``reduction``, or a window that
                 would mix weightings; raised before anything changes.
             RuntimeError: a stale or edited gradient, your own ``scheduler.step()``, another
-                accumulator's window, a concurrent call (docs/GUIDE.md, "Errors").
+                accumulator's window, a concurrent call (docs/GUIDE.md, "Errors"). Under several
+                DDP/FSDP2 ranks a guard's refusal is raised on every rank at the boundary, and
+                the window is dropped.
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        if not self._lock.acquire(False):  # inline: no call more on the per-micro-step path
+        try:  # inline: no call more on the per-micro-step path
+            self._free.pop()
+        except IndexError:
             self._refuse("backward")
         try:
             summed = reduction == "sum"
@@ -280,7 +293,7 @@ class Accumulator:
             self._guard.note()
             return self._commit(nxt)
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
                         chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
@@ -332,7 +345,7 @@ class Accumulator:
             self._guard.note_passes(self._cached.passes, self._cached.loss_params)
             return self._commit(window)
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -373,7 +386,7 @@ class Accumulator:
                 finally:
                     self._in_block = None
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
                           reduction: Reduction = "mean", **kwargs: Any) -> bool:
@@ -415,7 +428,7 @@ class Accumulator:
             sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
             return stepped
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -426,7 +439,8 @@ class Accumulator:
                 every rank, before anything changes).
             RuntimeError: a gradient edited during the window, a concurrent call, or a
                 ``backward_cached`` call that left the window partly accumulated (:meth:`discard`
-                it); nothing changes.
+                it); nothing changes. Under several DDP/FSDP2 ranks the edited gradient is raised
+                on every rank at the boundary instead, and the window is dropped.
         """
         self._enter("flush")
         try:
@@ -445,7 +459,7 @@ class Accumulator:
             self._sync.sync_partial(self._params, self._window.micro_step)
             return not self._window.empty and self._close_window()
         finally:
-            self._lock.release()
+            self._free.append(True)
 
     @_exclusive
     def discard(self) -> None:
@@ -553,9 +567,11 @@ class Accumulator:
 
     # ------------------------------------------------------------------ one call at a time
     def _enter(self, method: str) -> None:
-        """Take the accumulator for ``method`` (the caller releases ``_lock`` when it ends), or
-        refuse it while another call holds it. ``backward`` does the same inline: no call more."""
-        if not self._lock.acquire(False):
+        """Take the accumulator's token for ``method`` (the caller puts it back in ``_free`` when
+        it ends), or refuse it while another call holds it. ``backward`` does the same inline."""
+        try:
+            self._free.pop()
+        except IndexError:
             self._refuse(method)
 
     def _refuse(self, method: str) -> NoReturn:
@@ -571,13 +587,13 @@ class Accumulator:
             raise RuntimeError(
                 f"acc.{method}() was called inside an acc.micro_batch() block, whose micro-batch is "
                 "still being fed: leave the block first (to drop the micro-batch, raise out of the "
-                "block, then call acc.discard()); nothing has changed")
+                "block, then call acc.discard()); nothing has changed") from None
         if self._in_hooks == here:
             raise RuntimeError(
                 f"acc.{method}() was called from a boundary or discard hook of this accumulator, "
                 "while the call that runs the hook still holds it (only acc.state_dict() may be "
                 "called there): make that call after acc.backward() (or flush(), discard()) "
-                "returns; nothing has changed")
+                "returns; nothing has changed") from None
         refuse_entry(method)
 
     def _run_hooks(self, hooks: HookList) -> None:
@@ -590,15 +606,12 @@ class Accumulator:
             self._in_hooks = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (``copy.deepcopy``) gets its own lock, free, and no call running."""
+        """A copy (``copy.deepcopy``) gets its own token, free, and no call running."""
         state = self.__dict__.copy()
-        for key in ("_lock", "_in_block", "_in_hooks"):
+        for key in ("_in_block", "_in_hooks"):
             state.pop(key, None)
+        state["_free"] = [True]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the window's steps
 
