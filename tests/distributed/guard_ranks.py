@@ -98,6 +98,26 @@ def one_rank_mistake(rank: int, world: int, kind: str, mistake: str, sync: str =
     return out
 
 
+def nan_loss(rank: int, world: int) -> dict[str, Any]:
+    """No mistake: rank 1's loss is NaN in one micro-batch, under skip_nonfinite. The reduced loss
+    sum is NaN as for a refusal; the ranks find that no rank refused, and the window is skipped
+    on both, as before."""
+    group = own_group()
+    model = DDP(mlp(), process_group=group)
+    acc = gradaccum.Accumulator(make_optimizer("adamw", model.parameters()), 2, model=model,
+                                skip_nonfinite=True)
+    x, y = data(world * 2 * MICRO, seed=310)
+    raised = ""
+    try:
+        mine = zip(x.split(MICRO)[rank::world], y.split(MICRO)[rank::world], strict=True)
+        for i, (xb, yb) in enumerate(mine):
+            loss = cross_entropy(model(xb), yb)
+            acc.backward(loss * float("nan") if rank == 1 and i == 0 else loss)
+    except RuntimeError as e:
+        raised = str(e)
+    return {"raised": raised, "skipped": acc.skipped_windows, "optimizer_steps": acc.optimizer_steps}
+
+
 SCENARIOS = {
     # DDP: rank 1's zero_grad() is seen before the window's last micro-batch, whose backward
     # all-reduces; an in-place edit, the same; a stale gradient at the first micro-batch of a
@@ -121,5 +141,5 @@ SCENARIOS = {
 
 
 if __name__ == "__main__":
-    run_scenarios({name: (lambda r, w, kw=kw: one_rank_mistake(r, w, **kw))
-                   for name, kw in SCENARIOS.items()})
+    mistakes = {name: (lambda r, w, kw=kw: one_rank_mistake(r, w, **kw)) for name, kw in SCENARIOS.items()}
+    run_scenarios({**mistakes, "nan_loss": nan_loss})

@@ -65,8 +65,7 @@ def test_one_gradient_all_reduce_per_window_n_times_fewer_than_every_micro_batch
 def test_the_all_reduces_of_a_window_and_of_a_flush_are_counted_exactly(ranks):
     # What the pages state: a window costs DDP's gradient all-reduce in its last backward (one
     # call per bucket; one bucket here) plus the accumulator's one small all-reduce at the
-    # boundary (the loss sum and the count of ranks whose guard refused the window, 16 bytes;
-    # 24 with the item total); a micro-batch before the last
+    # boundary (the loss sum, 8 bytes; 16 with the item total); a micro-batch before the last
     # costs none. A flush costs no DDP all-reduce, and three of the accumulator's: the ranks'
     # agreement on the window's length, one all-reduce of every gradient (one dtype here), and
     # the small one.
@@ -78,7 +77,7 @@ def test_the_all_reduces_of_a_window_and_of_a_flush_are_counted_exactly(ranks):
             last = i % STEPS == STEPS - 1
             weighted = e["what"].startswith("window 2")
             assert (e["ddp"], e["own"]) == ((buckets, 1) if last else (0, 0)), e
-            assert e["own_bytes"] == ((24 if weighted else 16) if last else 0), e
+            assert e["own_bytes"] == ((16 if weighted else 8) if last else 0), e
         partial, flush = events[3 * STEPS:-1], events[-1]
         assert [(e["ddp"], e["own"]) for e in partial] == [(0, 0), (0, 0)]
         assert (flush["ddp"], flush["own"]) == (0, 3), flush

@@ -42,3 +42,10 @@ def test_the_next_window_is_exact_as_if_the_dropped_one_never_ran(ranks, name):
         if SCENARIOS[name]["mistake"] != "scheduler":
             for a, b in zip(r["clean_params"], r["ref_params"], strict=True):
                 torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_a_nan_loss_without_a_mistake_is_skipped_as_before_not_refused(ranks):
+    # A refusing rank sends NaN as its loss sum; a NaN loss of the window's own must not be taken
+    # for one (the ranks agree once more when the reduced loss is NaN).
+    for r in scenario(ranks, "nan_loss"):
+        assert r == {"raised": "", "skipped": 1, "optimizer_steps": 0}

@@ -22,9 +22,9 @@ and :meth:`GradSync.pause` before each chunk of ``backward_cached`` but the last
 :meth:`GradSync.agree_count` once, at the run's first item-weighted micro-batch (the ranks' first
 provisional total); :meth:`GradSync.sync_partial` from ``flush()`` on every rank (a partial
 window's gradients were never reduced); :meth:`GradSync.check_forward` and
-:meth:`GradSync.reduce_window` at every boundary (one collective of a few numbers that averages
-the window's loss sum and item total over ranks, as the gradients are averaged, and sums the counts
-and totals of the window's ``mb.term`` slots and the ranks whose guards refused the window).
+:meth:`GradSync.reduce_window` at every boundary (one 16-byte collective that averages the
+window's loss sum and item total over ranks, as the gradients are averaged, and sums the counts
+and totals of the window's ``mb.term`` slots; a rank whose guard refused the window sends NaN).
 Under several ranks a guard that refuses on one rank only does not raise there: the accumulator
 hands it to :meth:`GradSync.defer`, the window runs on (its collectives too), and
 :meth:`GradSync.raise_deferred` raises it on every rank at the boundary, before the optimizer steps.
