@@ -593,13 +593,17 @@ class Held(torch.autograd.Function):
         return g
 
 
-@pytest.mark.parametrize("second", ["backward", "micro_batch", "backward_cached", "flush"])
+@pytest.mark.parametrize("second", ["backward", "micro_batch", "backward_cached", "flush", "discard",
+                                    "state_dict", "load_state_dict", "set_epoch", "resize_window"])
 def test_a_call_from_another_thread_while_one_runs_is_refused_and_counts_nothing(second):
-    # One accumulator fed from 2 threads counted 82 or 83 micro-batches of 80, silently.
+    # One accumulator fed from 2 threads counted 82 or 83 micro-batches of 80, silently; discard(),
+    # state_dict() and the others were not refused at all (a discard() there cleared the window
+    # under the running backward: the micro-batch was counted without its gradient).
     model = Towers()
     twin = copy.deepcopy(model)
     acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
     images, texts = pairs(8)
+    state = acc.state_dict()
     Held.entered.clear()
     Held.release.clear()
     errors = []
@@ -619,8 +623,10 @@ def test_a_call_from_another_thread_while_one_runs_is_refused_and_counts_nothing
         elif second == "backward_cached":
             acc.backward_cached(lambda c: model(*c), lambda i, t: clip_loss(i, t, model.logit_scale),
                                 gradaccum.chunks((images, texts), 4))
+        elif second == "load_state_dict":
+            acc.load_state_dict(state)
         else:
-            acc.flush()
+            getattr(acc, second)(*{"set_epoch": (1,), "resize_window": (3,)}.get(second, ()))
     except RuntimeError as e:
         errors.append(str(e))
     finally:

@@ -47,15 +47,26 @@ class Outcome:
 def step_window(window: Window, sync: GradSync, precision: Precision, clip_norm: float | None) -> Outcome:
     """Reduce, normalize, clip and step for one complete (or flushed) window.
 
+    Under several ranks nothing here raises on one rank alone before the optimizer step: a
+    refusal a guard deferred in the window (or no forward through the wrapper on this rank) is
+    raised on every rank together, after the window's collectives (``sync.raise_deferred``).
+
     Raises:
-        RuntimeError: under DDP/FSDP2, no forward ran through the wrapped model this window.
+        RuntimeError: under DDP/FSDP2, no forward ran through the wrapped model this window, or a
+            rank's guard refused the window (raised on every rank).
         ValueError: a term's ``total=`` is not its counts' sum over the window and the ranks.
         Whatever the scaler or the optimizer raises.
     """
-    sync.check_forward()
+    ranks = sync.world_size > 1
+    try:
+        sync.check_forward()
+    except RuntimeError as e:
+        if not ranks:
+            raise
+        sync.defer(str(e))
     items = window.items if window.weighting == "items" else None
     sums = term_sums(window.terms)
-    if sync.world_size > 1:
+    if ranks:
         loss_sum, items, sums = sync.reduce_window(weighted_sum(window.losses), items, sums)
         loss = WindowLoss(((loss_sum, 1),), window.loss_denominator(items))
     else:
@@ -65,11 +76,14 @@ def step_window(window: Window, sync: GradSync, precision: Precision, clip_norm:
     basis = window.next_basis(items) if window.scale is not None or precision.overflow_prone else None
     # A summed window may hold no items at all: its total is read once (a host read for a tensor).
     if window.summed and not bool(window.items > 0 if items is None else items > 0):
+        sync.raise_deferred()
         return Outcome(False, window.basis)
     if precision.buffers is not None and sync.world_size > 1:
         precision.average_over_ranks(sync)  # float32 sums, reduced once (DDP reduced nothing)
     grads = precision.window_grads()
     norm = scale_and_clip_(grads, window.grad_factor(float_total(window.items if items is None else items)),
                            clip_norm)
+    if ranks:
+        sync.raise_deferred()  # after the clip's norm (a collective under FSDP2), before the step
     stepped, norm = precision.step(grads, norm)
     return Outcome(stepped, basis, loss, norm, no_grads=not grads)

@@ -209,4 +209,4 @@ def refuse_entry(method: str) -> NoReturn:
         f"acc.{method}() was called while another call of this accumulator is still running: from "
         "another thread (an Accumulator is not thread-safe: feed it from one thread, and hand it "
         "the losses through a queue if they are computed elsewhere), or from inside its own "
-        "acc.micro_batch() block (use mb.backward() there). Nothing has changed")
+        "acc.micro_batch() block (use mb.backward() there). Nothing has changed") from None

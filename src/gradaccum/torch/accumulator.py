@@ -21,10 +21,12 @@ step does lives in the modules named above. The per-micro-step path is ``backwar
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -61,6 +63,30 @@ from gradaccum.torch.pipeline.sync import PipelineSync
 
 __all__ = ["Accumulator", "MicroBatch"]
 
+_FEEDS = ("backward", "backward_cached", "micro_batch", "backward_pipeline")
+
+
+def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an :class:`Accumulator` run while it holds the accumulator's token, taken
+    without waiting (another call running is refused). ``state_dict`` may also run from the
+    accumulator's own hooks (a checkpoint at a boundary), in the thread running them."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def exclusive(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self._free.pop()
+        except IndexError:
+            if name == "state_dict" and self._in_hooks == threading.get_ident():
+                return method(self, *args, **kwargs)  # read-only, inside the call that holds it
+            self._refuse(name)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._free.append(True)
+
+    return exclusive
+
 
 class Accumulator:
     """Accumulate the gradients of N micro-batches and apply them as one exact update.
@@ -91,7 +117,12 @@ class Accumulator:
     A skipped window (non-finite gradient, or a summed window of 0 items) changes no parameter
     and counts in :attr:`skipped_windows`. If anything raises at a boundary, the next window
     starts fresh: a failed window is never applied again (docs/GUIDE.md, "Failures"). An
-    accumulator is not thread-safe: feed it from one thread (a concurrent call raises).
+    accumulator is not thread-safe: feed it from one thread. Every method that reads or changes
+    the window (the feeds, ``flush``, ``discard``, ``state_dict``, ``load_state_dict``,
+    ``set_epoch``, ``resize_window``) raises while another one runs, from another thread or its
+    own ``micro_batch()`` block (a hook may call ``state_dict``); the properties and the
+    ``register_*_hook`` methods take no token. Under DDP/FSDP2, a guard that refuses on one rank
+    raises on every rank at the window's boundary, which drops the window everywhere.
 
     Attributes:
         optimizer_steps: optimizer updates made so far (windows applied, not skipped).
@@ -120,8 +151,10 @@ class Accumulator:
 
 
     _window: Window
-    _entered = False  # a feeding call (or flush) is running: another one is refused
-    _in_block = False  # the user's code inside a micro_batch() block is running
+    # The thread running the user's code inside a micro_batch() block, or this accumulator's hooks
+    # (set only while a call holds the accumulator): a call refused there is named as from that place.
+    _in_block: int | None = None
+    _in_hooks: int | None = None
 
     def __init__(
         self,
@@ -148,6 +181,9 @@ class Accumulator:
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
         self._sync: GradSync = make_sync(model, sync)
+        # Several data-parallel ranks: a guard's refusal is handed to the sync, which raises it on
+        # every rank at the boundary (raised here alone, it would leave the others in a collective).
+        self._defer: Callable[[str], None] | None = self._sync.defer if self._sync.world_size > 1 else None
         if self._precision.buffers is not None and self._sync.world_size > 1:
             if sync == "micro_batch":
                 raise ValueError("accum_dtype with sync='micro_batch' would reduce every micro-batch's "
@@ -157,6 +193,11 @@ class Accumulator:
         self.model = model
         self.scheduler = scheduler
         self._params = params
+        # The accumulator's one token, taken by every public call that reads or changes the window
+        # with list.pop() (atomic: of two threads, one gets it) and put back when it ends: a call
+        # while another runs (another thread, or its own micro_batch() block) finds the list
+        # empty and is refused. A quarter of a threading.Lock's acquire(False) and release().
+        self._free: list[bool] = [True]
         self._hooks = HookList()  # after a boundary
         self._discard_hooks = HookList()
         self._saves = SaveWatch(self, optimizer)  # an optimizer state saved mid-window without ours
@@ -229,13 +270,16 @@ class Accumulator:
             TypeError, ValueError: a bad ``loss``, ``n_items`` or ``reduction``, or a window that
                 would mix weightings; raised before anything changes.
             RuntimeError: a stale or edited gradient, your own ``scheduler.step()``, another
-                accumulator's window, a concurrent call (docs/GUIDE.md, "Errors").
+                accumulator's window, a concurrent call (docs/GUIDE.md, "Errors"). Under several
+                DDP/FSDP2 ranks a guard's refusal is raised on every rank at the boundary, and
+                the window is dropped.
         """
         n = check_items(n_items, reduction)
         check_loss(loss)
-        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
-            refuse_entry("backward")
-        self._entered = True
+        try:  # inline: no call more on the per-micro-step path
+            self._free.pop()
+        except IndexError:
+            self._refuse("backward")
         try:
             summed = reduction == "sum"
             window = self._window
@@ -248,7 +292,7 @@ class Accumulator:
             self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
             return self._commit(nxt)
         finally:
-            self._entered = False
+            self._free.append(True)
 
     def backward_cached(self, encode: Callable[[Any], Any], loss_fn: Callable[..., torch.Tensor],
                         chunks: Iterable[Any], n_items: Items = None, *, reduction: Reduction = "mean"
@@ -299,7 +343,7 @@ class Accumulator:
                 raise
             return self._commit(window)
         finally:
-            self._entered = False
+            self._free.append(True)
 
     @contextmanager
     def micro_batch(self, n_items: Items = None, *, reduction: Reduction = "mean") -> Iterator[MicroBatch]:
@@ -334,13 +378,13 @@ class Accumulator:
             self._before_feed(window)
             with feed_block(window, n, reduction == "sum", self._precision, self._sync,
                             self._commit) as mb:
-                self._in_block = True
+                self._in_block = threading.get_ident()
                 try:
                     yield mb
                 finally:
-                    self._in_block = False
+                    self._in_block = None
         finally:
-            self._entered = False
+            self._free.append(True)
 
     def backward_pipeline(self, schedule: Any, *args: Any, target: Any = None, n_items: Any = None,
                           reduction: Reduction = "mean", **kwargs: Any) -> bool:
@@ -373,7 +417,7 @@ class Accumulator:
             sync = self._sync
             if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
                 sync = attach(schedule, sync, self._params, self._precision, self._window, self)
-                self._sync, self._boundary = sync, step_pipeline_window
+                self._sync, self._boundary, self._defer = sync, step_pipeline_window, sync.defer
                 self._guard.set_exact(exact_grads(sync))  # reduced at the boundary only (or each call)
             nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
                        self._precision, self.clip_norm, self._check_grads)
@@ -381,7 +425,7 @@ class Accumulator:
             sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
             return stepped
         finally:
-            self._entered = False
+            self._free.append(True)
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -392,63 +436,62 @@ class Accumulator:
                 every rank, before anything changes).
             RuntimeError: a gradient edited during the window, a concurrent call, or a
                 ``backward_cached`` call that left the window partly accumulated (:meth:`discard`
-                it); nothing changes.
+                it); nothing changes. Under several DDP/FSDP2 ranks the edited gradient is raised
+                on every rank at the boundary instead, and the window is dropped.
         """
-        self._refuse_in_block("flush")
-        if self._entered:
-            refuse_entry("flush")
-        refuse_partial(self._partial, self.micro_step)
+        self._enter("flush")
         try:
-            self._guard.grads.check(self._window.micro_step, self._window.size, True)
-        except RuntimeError as e:
-            if not isinstance(self._sync, PipelineSync):
-                raise  # under DDP/FSDP2 on this rank alone (each rank checks its own gradients)
-            self._sync.defer(str(e))  # every rank raises at the boundary: none waits in the agreement
-        if self._window.terms and not self._window.complete:
-            raise ValueError(
-                f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
-                "term with its own total (mb.term(..., total=)): that total was the full "
-                "window's; discard() it, or give the short window its own totals and steps")
-        self._entered = True
-        try:
+            refuse_partial(self._partial, self.micro_step)
+            try:
+                self._guard.grads.check(self._window.micro_step, self._window.size, True)
+            except RuntimeError as e:
+                if self._defer is None:
+                    raise
+                self._defer(str(e))  # every rank raises at the boundary: none waits in a collective
+            if self._window.terms and not self._window.complete:
+                raise ValueError(
+                    f"flush() of a window holding {self.micro_step} of {self.steps} micro-batches and a "
+                    "term with its own total (mb.term(..., total=)): that total was the full "
+                    "window's; discard() it, or give the short window its own totals and steps")
             self._sync.sync_partial(self._params, self._window.micro_step)
             return not self._window.empty and self._close_window()
         finally:
-            self._entered = False
+            self._free.append(True)
 
+    @_exclusive
     def discard(self) -> None:
         """Drop the partial window (gradients to None, counters to the window's start), then call
         the hooks of :meth:`register_discard_hook`."""
-        self._refuse_in_block("discard")
         basis = self._window.basis
         self._holders.discard_others()
         self._sync.discard()
         self._clear(basis)
         self._guard.scheduled()  # a scheduler step of yours was refused or dropped with the window
         self._open_window(basis)
-        self._discard_hooks(self)
+        self._run_hooks(self._discard_hooks)
 
+    @_exclusive
     def set_epoch(self, epoch: int) -> None:
         """Tell an epoch schedule (``Schedule(..., by="epoch")``) that epoch ``epoch`` begins; an
         empty window takes its N at once. Raises TypeError/ValueError unless ``epoch >= 0``."""
         epoch = check_nonneg_int("epoch", epoch)
-        self._refuse_in_block("set_epoch")
         self.epoch = epoch
         if self._window.empty:
             self._open_window(self._window.basis)
 
+    @_exclusive
     def resize_window(self, steps: int) -> None:
         """Give the current, empty window another size (for :class:`gradaccum.AutoBatch`, which
         learns a window's size from its data); the schedule is read again at the next window.
         Raises TypeError/ValueError for ``steps < 1`` or a started window (nothing changes)."""
         n = check_positive_int("steps", steps)
-        self._refuse_in_block("resize_window")
         if not self._window.empty:
             raise ValueError(f"resize_window(steps={n}) needs an empty window; it holds "
                              f"{self.micro_step} of {self.steps} micro-batches")
         self._window = self._window.resized(n)
         self._sync.prepare(self._window.next_is_last)
 
+    @_exclusive
     def state_dict(self) -> dict[str, Any]:
         """All a bit-exact resume in the middle of a window needs (counters, window, partial
         gradients and losses, the last window's loss); save it beside the model's and optimizer's.
@@ -459,7 +502,6 @@ class Accumulator:
                 call left partly accumulated (``discard()`` it).
         """
         refuse_partial(self._partial, self._window.micro_step)
-        self._refuse_in_block("state_dict")
         if not self._window.empty:
             self._sync.check_saveable()
         state = pack_state(self._window, self.schedule.describe(), {k: getattr(self, k) for k in COUNTERS},
@@ -467,6 +509,7 @@ class Accumulator:
         self._saves.own_saved(self.windows, self.micro_step)
         return state
 
+    @_exclusive
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`, partial gradients included.
 
@@ -482,7 +525,6 @@ class Accumulator:
             RuntimeError: another live accumulator holds a partial window over these parameters
                 (loading would overwrite its gradients); nothing is changed.
         """
-        self._refuse_in_block("load_state_dict")
         window = check_state(state, self.schedule.describe(), self._params)
         check_size(window, self.schedule)
         self._precision.check_state(state.get("accum"))
@@ -520,26 +562,55 @@ class Accumulator:
         """
         return self._discard_hooks.register(hook)
 
-    # ------------------------------------------------------------------ the window's steps
+    # ------------------------------------------------------------------ one call at a time
     def _enter(self, method: str) -> None:
-        """Refuse ``method`` while another feeding call (or flush) runs; else mark it running (the
-        caller clears the flag when it ends). ``backward`` does the same inline: no call more."""
-        if self._entered:  # a flag, not a lock: an accumulator stays deep-copyable
-            refuse_entry(method)
-        self._entered = True
+        """Take the accumulator's token for ``method`` (the caller puts it back in ``_free`` when
+        it ends), or refuse it while another call holds it. ``backward`` does the same inline."""
+        try:
+            self._free.pop()
+        except IndexError:
+            self._refuse(method)
 
-    def _refuse_in_block(self, method: str) -> None:
-        """Refuse ``method`` from the code inside a ``micro_batch()`` block, whose micro-batch is
-        still being fed (its gradients partly added, its window not yet advanced).
+    def _refuse(self, method: str) -> NoReturn:
+        """Refuse ``method``: another call of this accumulator holds it. From the code inside a
+        ``micro_batch()`` block (whose micro-batch is still being fed: its gradients partly added,
+        its window not yet advanced), a call that is not a feed is named as such.
 
         Raises:
             RuntimeError: naming the fix; nothing has changed.
         """
-        if self._in_block:
+        here = threading.get_ident()
+        if self._in_block == here and method not in _FEEDS:
             raise RuntimeError(
                 f"acc.{method}() was called inside an acc.micro_batch() block, whose micro-batch is "
                 "still being fed: leave the block first (to drop the micro-batch, raise out of the "
-                "block, then call acc.discard()); nothing has changed")
+                "block, then call acc.discard()); nothing has changed") from None
+        if self._in_hooks == here:
+            raise RuntimeError(
+                f"acc.{method}() was called from a boundary or discard hook of this accumulator, "
+                "while the call that runs the hook still holds it (only acc.state_dict() may be "
+                "called there): make that call after acc.backward() (or flush(), discard()) "
+                "returns; nothing has changed") from None
+        refuse_entry(method)
+
+    def _run_hooks(self, hooks: HookList) -> None:
+        """Run ``hooks`` (the call running them holds the accumulator: they may read
+        :meth:`state_dict`, and any other call of theirs is refused)."""
+        self._in_hooks = threading.get_ident()
+        try:
+            hooks(self)
+        finally:
+            self._in_hooks = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``) gets its own token, free, and no call running."""
+        state = self.__dict__.copy()
+        for key in ("_in_block", "_in_hooks"):
+            state.pop(key, None)
+        state["_free"] = [True]
+        return state
+
+    # ------------------------------------------------------------------ the window's steps
 
     def _open_window(self, basis: Any) -> None:
         self._partial = None
@@ -556,7 +627,12 @@ class Accumulator:
             refuse_partial(self._partial, window.micro_step)
         if isinstance(self._sync, (PendingSync, PipelineSync)):
             self._sync.refuse_feed()  # a pipeline stage's window: backward_pipeline only
-        self._check_grads(window)
+        try:
+            self._check_grads(window)
+        except RuntimeError as e:
+            if self._defer is None:
+                raise
+            self._defer(str(e))  # the micro-batch runs (its collectives too); the boundary raises
 
     def _check_grads(self, window: Window) -> None:
         """The guards of :meth:`_before_feed`; alone for a ``backward_pipeline`` call (which records
@@ -582,8 +658,7 @@ class Accumulator:
         next one opens, whatever raises (a failed window is never applied again)."""
         window = self._window
         try:
-            defer = self._sync.defer if isinstance(self._sync, PipelineSync) else None
-            with self._guard.own_step(defer):
+            with self._guard.own_step(self._defer):
                 out = self._boundary(window, self._sync, self._precision, self.clip_norm)
         except BaseException:
             stepped = self._precision.stepped_before_error
@@ -597,7 +672,7 @@ class Accumulator:
         self._clear(out.basis)
         try:
             self._count(out)
-            self._hooks(self)
+            self._run_hooks(self._hooks)
         finally:
             self._open_window(out.basis)
         return out.stepped

@@ -24,7 +24,10 @@ provisional total); :meth:`GradSync.sync_partial` from ``flush()`` on every rank
 window's gradients were never reduced); :meth:`GradSync.check_forward` and
 :meth:`GradSync.reduce_window` at every boundary (one 16-byte collective that averages the
 window's loss sum and item total over ranks, as the gradients are averaged, and sums the counts
-and totals of the window's ``mb.term`` slots).
+and totals of the window's ``mb.term`` slots; a rank whose guard refused the window sends NaN).
+Under several ranks a guard that refuses on one rank only does not raise there: the accumulator
+hands it to :meth:`GradSync.defer`, the window runs on (its collectives too), and
+:meth:`GradSync.raise_deferred` raises it on every rank at the boundary, before the optimizer steps.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class GradSync(Protocol):
     def check_saveable(self) -> None:
         """Raise if a partial window's gradients are not in ``.grad`` (so no checkpoint holds them)."""
 
+    def defer(self, message: str) -> None:
+        """Keep a guard's refusal on this rank for the window's boundary (several ranks only)."""
+
+    def raise_deferred(self) -> None:
+        """After :meth:`reduce_window`: raise on every rank if any rank deferred a refusal."""
+
     def check_forward(self) -> None:
         """At a boundary: raise if no forward ran through the wrapped model in this window."""
 
@@ -125,6 +134,13 @@ class LocalSync:
 
     def check_saveable(self) -> None:
         """The partial gradients are in ``.grad``."""
+
+    def defer(self, message: str) -> None:
+        """Not used: one rank raises where the guard refuses."""
+        raise RuntimeError(message)
+
+    def raise_deferred(self) -> None:
+        """Nothing deferred."""
 
     def check_forward(self) -> None:
         """Nothing wraps the model."""

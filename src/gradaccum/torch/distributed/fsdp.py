@@ -82,6 +82,7 @@ class FSDPSync(RankGroups):
 
         Without this, FSDP2 would add them into the next window's reduce-scatter.
         """
+        super().discard()
         if self.mode == "micro_batch":
             return  # every backward reduced: only the sharded .grad, cleared by the accumulator
         self.drop_pending()

@@ -183,6 +183,9 @@ class PipelineSync:
         together, where raising it here would leave the other ranks waiting in a collective."""
         self.poison.append(("gradients", message))
 
+    def raise_deferred(self) -> None:
+        """Not used: the pipeline's boundary raises what :meth:`defer` recorded (its vector)."""
+
     def discard(self) -> None:
         """Drop what a partial window left outside ``.grad`` (FSDP2) and its recorded problems."""
         self.poison = []
