@@ -33,8 +33,8 @@ window's start, nothing changed outside the accumulator before its end.
   ``.grad`` (``accum_dtype`` buffers; FSDP2's unsharded sums under ``sync="window"``): it is
   ``None`` when recorded. Under ``sync="micro_batch"`` (or ``sync="local"`` under a process group
   of several ranks, where a DDP model not given as ``model=`` reduces every backward itself) a
-  reduction may give ``.grad`` another tensor in a backward: only a gradient cleared before the
-  window's last micro-batch is refused there.
+  reduction may give ``.grad`` another tensor in a backward: an edit in place between two
+  micro-batches is refused the same, but before the last only a cleared gradient is.
 """
 
 from __future__ import annotations
