@@ -93,6 +93,7 @@ if __name__ == "__main__":
         "ppdp ddp gpipe mean": lambda r, w: train(r, w, "gpipe", pp=2, dp="ddp", reduction="mean", clip=None),
         "ppdp ddp interleaved sum clip": lambda r, w: train(r, w, "interleaved", pp=2, virtual=2, dp="ddp"),
         "ppdp fsdp 1f1b sum clip": lambda r, w: train(r, w, "1f1b", pp=2, dp="fsdp"),
+        "ppdp fsdp interleaved sum clip": lambda r, w: train(r, w, "interleaved", pp=2, virtual=2, dp="fsdp"),
         "ppdp fsdp gpipe mean": lambda r, w: train(r, w, "gpipe", pp=2, dp="fsdp", reduction="mean",
                                                    clip=None),
         "ppdp ddp scaler inf on rank 2": lambda r, w: inf_in_window(

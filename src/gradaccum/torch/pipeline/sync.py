@@ -101,6 +101,7 @@ class PipelineSync:
         self.fsdp_stages = [s for s in self.stages if any(isinstance(d, FSDPSync) and d.module is s.submod
                                                          for d in self.dp)]
         self.dp_lead = self.sharded or not self.dp or all(dist.get_rank(g) == 0 for g in dp_groups)
+        self.fsdp_params = {id(s): _fsdp_params(s.submod) for s in self.stages}  # what a re-init clears
         groups: list[Any]  # process groups (None: the default one)
         if pp_size * self.world_size == dist.get_world_size():
             groups = [dist.group.WORLD]  # one call over every pipeline and data-parallel rank
@@ -235,11 +236,44 @@ class PipelineSync:
             if not reduce and stage in self.fsdp_stages:
                 stage.perform_reduce_grad = _skip
                 patched.append((stage, "perform_reduce_grad"))
+            params = self.fsdp_params[id(stage)]
+            if params and hasattr(stage, "_post_metadata_inference_cleanup"):
+                stage._post_metadata_inference_cleanup = _keeping_grads(
+                    stage._post_metadata_inference_cleanup, params)
+                patched.append((stage, "_post_metadata_inference_cleanup"))
         try:
             yield
         finally:
             for stage, name in patched:
                 vars(stage).pop(name, None)  # the class's method again
+
+
+def _fsdp_params(module: Any) -> list[torch.Tensor]:
+    """The parameters of ``module``'s FSDP2 submodules (itself included): those whose ``.grad``
+    ``PipelineStage._post_metadata_inference_cleanup`` sets to None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            seen.update((id(p), p) for p in m.parameters())
+    return list(seen.values())
+
+
+def _keeping_grads(real: Callable[[], None], params: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """``real`` (a stage's ``_post_metadata_inference_cleanup``), with the ``.grad`` of ``params``
+    kept. A schedule's first ``step()`` (and the first after ``schedule.eval()``) runs a metadata
+    inference through the stage and then clears the gradients of its FSDP2 parameters: the
+    window's partial gradients a ``load_state_dict`` restored would be lost. The inference
+    computes only input gradients (``torch.autograd.grad``), so what ``.grad`` held before it
+    is what the window holds."""
+    def _post_metadata_inference_cleanup() -> None:
+        kept = [(p, p.grad) for p in params]
+        real()
+        for p, grad in kept:
+            p.grad = grad
+
+    return _post_metadata_inference_cleanup
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:
