@@ -256,7 +256,7 @@ def _fsdp_params(module: Any) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            seen.update((id(p), p) for p in m.parameters())
+            seen.update((id(p), p) for p in m.parameters())  # type: ignore[attr-defined]
     return list(seen.values())
 
 
