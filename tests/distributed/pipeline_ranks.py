@@ -377,6 +377,20 @@ def uneven_calls(rank: int, world: int) -> dict[str, Any]:
     return attempt(pipe, calls)
 
 
+def skipped_call(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 skips its second batch, then every rank calls flush(): from there rank 1's labels
+    pair with rank 0's inputs of the batch before (the schedule's point-to-point messages pair
+    each stage's k-th step(), so every rank's window counts the same calls and window 1 steps);
+    rank 0's last call meets rank 1's flush(), which the per-call agreement catches on both."""
+    pipe = Pipe(world)
+    batches = [b for w in range(2) for b in window_batches(w, STEPS, 1, SEQS)[0]]
+    mine = [b for i, b in enumerate(batches) if not (rank == 1 and i == 1)]
+    pipe.feed(*mine[0])  # the run's first call attaches the pipeline's sync
+    pipe.acc._sync.every_call = True  # type: ignore[attr-defined]  # what TORCH_DISTRIBUTED_DEBUG sets
+    got = attempt(pipe, [*(lambda b=b: pipe.feed(*b) for b in mine[1:]), pipe.acc.flush])
+    return {**got, "made": got["made"] + 1}
+
+
 def torchtitan_bugs(rank: int, world: int) -> dict[str, Any]:
     """torchtitan's #1733 and #2972 and the correct loops, with clipping that acts and without:
     each one's largest difference from one process (2 windows of 2 batches x 4 micro-batches)."""
@@ -473,6 +487,7 @@ if __name__ == "__main__":
         "collectives": collectives,
         "bad inputs": bad_inputs,
         "uneven calls": uneven_calls,
+        "skipped call": skipped_call,
         "guard on one rank": guard_on_one_rank,
         "torchtitan bugs": torchtitan_bugs,
         "recipes": recipes,

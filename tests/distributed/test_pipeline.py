@@ -214,6 +214,17 @@ def test_a_flush_against_a_call_raises_on_every_rank_with_the_per_call_agreement
         assert "others call flush()" in r["raised"] and r["unchanged"] and r["steps"] == 0
 
 
+def test_a_skipped_call_is_seen_only_at_the_end_and_only_with_the_per_call_agreement(ranks):
+    # A stage that skips a batch shifts its data by one; the schedule's point-to-point messages
+    # still pair each stage's k-th step(), so every window holds the same calls on every rank (no
+    # count at the boundary can differ) and window 1 steps with mispaired batches. The data's end
+    # shows it: rank 0's extra call against rank 1's flush(). Without the per-call agreement rank 0
+    # waits inside torch's step() for a stage that never comes (gloo's timeout); with it, both raise.
+    for r in scenario(ranks, "skipped call"):
+        assert "others call flush()" in r["raised"] and "nothing was run or stepped" in r["raised"]
+        assert r["made"] == 2 * STEPS - 1 and r["steps"] == 1 and r["micro_step"] == STEPS - 1
+
+
 def test_replicas_that_call_a_different_number_of_times_raise_at_flush(ranks4):
     for r in scenario(ranks4, "uneven replicas"):
         assert "different calls of the window" in r["raised"] and r["unchanged"] and r["steps"] == 0
