@@ -168,7 +168,7 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
     for key, value in {**machine, "setup": setup}.items():
         print(f"{key:>14}: {value}")
     rows = []
-    print(f"\nMedians over {args.rounds} rounds of each round's median; in brackets the rounds' range.")
+    print(f"\nMedians over {args.rounds} rounds of each round's median; in brackets the rounds' lowest and highest.")
     print("\n| loop | ms / window (rank 0) | vs hand | CPU ms / window (both ranks) | vs hand "
           "| all-reduces / window | aten ops / window (rank 0, rank 1) | ops vs hand |")
     print("|---|---|---|---|---|---|---|---|")
@@ -190,8 +190,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
         t_lo, t_hi = row["time_vs_hand_range"]
         c_lo, c_hi = row["cpu_vs_hand_range"]
         print(f"| {name} | {row['ms_per_window']:.2f} | "
-              f"{row['time_vs_hand']:.3f}x ({t_lo:.3f} to {t_hi:.3f}) | "
-              f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x ({c_lo:.3f} to {c_hi:.3f}) | "
+              f"{row['time_vs_hand']:.3f}x [{t_lo:.3f}, {t_hi:.3f}] | "
+              f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x [{c_lo:.3f}, {c_hi:.3f}] | "
               f"{row['all_reduces_per_window']:g} | {ops[0]}, {ops[1]} | "
               f"{row['ops_vs_hand'][0]:+d}, {row['ops_vs_hand'][1]:+d} |")
     print(f"\nParameter error against one process on the full batch (float64, 2 windows of 2 batches x 4 "
