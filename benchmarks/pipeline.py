@@ -168,7 +168,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
     for key, value in {**machine, "setup": setup}.items():
         print(f"{key:>14}: {value}")
     rows = []
-    print(f"\nMedians over {args.rounds} rounds of each round's median; in brackets the rounds' lowest and highest.")
+    print(f"\nMedians over {args.rounds} rounds of each round's median; in brackets the rounds' lowest "
+          "and highest.")
     print("\n| loop | ms / window (rank 0) | vs hand | CPU ms / window (both ranks) | vs hand "
           "| all-reduces / window | aten ops / window (rank 0, rank 1) | ops vs hand |")
     print("|---|---|---|---|---|---|---|---|")
