@@ -99,6 +99,8 @@ if __name__ == "__main__":
         "ppdp ddp scaler inf on rank 2": lambda r, w: inf_in_window(
             r, w, 2, pp=2, dp="ddp", scaler=torch.amp.GradScaler("cpu")),
         "ppdp ddp checkpoint": lambda r, w: checkpoint(r, w, "sum", pp=2, dp="ddp"),
+        "ppdp fsdp checkpoint micro_batch": lambda r, w: checkpoint(r, w, "mean", pp=2, dp="fsdp",
+                                                                    sync="micro_batch"),
         "ppdp ddp flush": lambda r, w: flush_partial(r, w, pp=2, dp="ddp"),
         "ppdp fsdp flush": lambda r, w: flush_partial(r, w, pp=2, dp="fsdp"),
         "ppdp fsdp discard": lambda r, w: discard_call(r, w, pp=2, dp="fsdp"),

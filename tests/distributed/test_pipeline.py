@@ -116,9 +116,10 @@ def test_a_checkpoint_mid_window_resumes_bitwise_with_fsdp2_stages_under_micro_b
         assert r["bitwise"] and r["loss_bitwise"] and r["steps"] == WINDOWS
 
 
-def test_a_checkpoint_mid_window_resumes_bitwise_under_pp_x_dp(ranks4):
-    for r in scenario(ranks4, "ppdp ddp checkpoint"):
-        assert r["micro_step_saved"] == 1 and r["bitwise"] and r["loss_bitwise"]
+@pytest.mark.parametrize("name", ["ppdp ddp checkpoint", "ppdp fsdp checkpoint micro_batch"])
+def test_a_checkpoint_mid_window_resumes_bitwise_under_pp_x_dp(ranks4, name):
+    for r in scenario(ranks4, name):
+        assert r["micro_step_saved"] == 1 and r["bitwise"] and r["loss_bitwise"] and r["diff"] == 0.0
 
 
 def test_one_small_all_reduce_per_window_plus_one_agreement_at_the_first_call(ranks):
