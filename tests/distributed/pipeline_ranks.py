@@ -236,6 +236,26 @@ def checkpoint(rank: int, world: int, reduction: str, **options: Any) -> dict[st
             "steps": resumed.acc.optimizer_steps, "diff": max(float((a - b).abs().max()) for a, b in pairs)}
 
 
+def eval_mid_window(rank: int, world: int, sync: str) -> dict[str, Any]:
+    """FSDP2 stages, a validation step (``schedule.eval``) after window 1's first call: it and the
+    next training step() re-run the schedule's metadata inference, whose cleanup sets the FSDP2
+    parameters' ``.grad`` to None; the window goes on as if no validation had run."""
+    pipe = Pipe(world, dp="fsdp", sync=sync, layout_=one_replica(world))
+    data = pipe.data()
+    raised = ""
+    try:
+        for w, window in enumerate(data):
+            for i, (tokens, labels) in enumerate(window[0]):
+                pipe.feed(tokens, labels)
+                if (w, i) == (1, 0):
+                    args = (tokens,) if pipe.first else ()
+                    pipe.schedule.eval(*args, target=labels if pipe.last else None)
+    except ValueError as e:
+        raised = str(e)
+    ref, _ = reference(2, data, sgd, CLIP, halve)
+    return {"raised": raised, "diff": pipe.diff(ref), "steps": pipe.acc.optimizer_steps}
+
+
 def collectives(rank: int, world: int) -> dict[str, Any]:
     """Every all_reduce of each call (patched ``dist.all_reduce``): the run's first call's
     agreement, then one per window, at its last call; and their bytes."""
@@ -478,6 +498,8 @@ if __name__ == "__main__":
         # parameters' .grad after its metadata inference (PipelineStage._post_metadata_inference_cleanup)
         "checkpoint fsdp micro_batch": lambda r, w: checkpoint(r, w, "sum", dp="fsdp", sync="micro_batch",
                                                                layout_=one_replica(w)),
+        "eval fsdp micro_batch": lambda r, w: eval_mid_window(r, w, "micro_batch"),
+        "eval fsdp window": lambda r, w: eval_mid_window(r, w, "window"),
         # several FSDP2 stages per rank, model=nn.ModuleList of them (docs/PIPELINE.md)
         "interleaved fsdp list sum clip": lambda r, w: train(r, w, "interleaved", virtual=2, dp="fsdp",
                                                              layout_=one_replica(w)),

@@ -116,6 +116,14 @@ def test_a_checkpoint_mid_window_resumes_bitwise_with_fsdp2_stages_under_micro_b
         assert r["bitwise"] and r["loss_bitwise"] and r["steps"] == WINDOWS
 
 
+@pytest.mark.parametrize("sync", ["micro_batch", "window"])
+def test_a_validation_step_mid_window_keeps_fsdp2_stages_exact(ranks, sync):
+    # Before, under "micro_batch": schedule.eval() re-ran the metadata inference, whose cleanup
+    # cleared the window's FSDP2 gradients, and the guard dropped the window ("cleared outside").
+    for r in scenario(ranks, f"eval fsdp {sync}"):
+        assert r["raised"] == "" and r["steps"] == WINDOWS and r["diff"] < 1e-12
+
+
 @pytest.mark.parametrize("name", ["ppdp ddp checkpoint", "ppdp fsdp checkpoint micro_batch"])
 def test_a_checkpoint_mid_window_resumes_bitwise_under_pp_x_dp(ranks4, name):
     for r in scenario(ranks4, name):
