@@ -5,7 +5,9 @@ Two processes, one stage each (``Schedule1F1B``, summed token losses, padded lab
 windows of the hand loop (``scale_grads=False``, the loss divided by the window's known token
 total, the clip norm all-reduced over the stages) against ``Accumulator.backward_pipeline``, and
 against the same with the per-call agreement (``TORCH_DISTRIBUTED_DEBUG``), interleaved window by
-window (the order rotating, a barrier before each), medians after warm-up; it counts every
+window (the order rotating, a barrier before each), in ``--rounds`` rounds after warm-up: each
+round's medians give one ratio to the hand loop, the table the median ratio and the rounds'
+range (the shared machine's load drifts between rounds). It counts every
 ``all_reduce`` and the aten ops (a TorchDispatchMode) of one window per loop and rank. Part 2 trains
 the float64 model of the tests (2 windows of 2 batches x 4 pipeline micro-batches) through the
 four loops of :mod:`gradaccum.bench.pipeline`, with clipping that acts and without, and gives
@@ -13,7 +15,7 @@ each one's largest parameter difference from one process on the full batch.
 
 Usage:
     python benchmarks/pipeline.py --json docs/results/pipeline.json
-    python benchmarks/pipeline.py --windows 5 --warmup 1   # a quick check
+    python benchmarks/pipeline.py --windows 5 --rounds 2 --warmup 1   # a quick check
 """
 
 from __future__ import annotations
@@ -65,17 +67,22 @@ def count_all_reduces() -> dict[str, int]:
 
 
 def timed(args: argparse.Namespace) -> dict[str, Any]:
+    """``--rounds`` rounds of ``--windows`` windows per loop, after ``--warmup``; within a round the
+    loops alternate window by window (the order rotating, a barrier before each)."""
     shape = {"seq": args.seq, "vocab": args.vocab}
     full = full_model(2, torch.float32, hidden=args.hidden, vocab=args.vocab)
     loops = {name: PipelineLoop("hand" if name == "hand" else "gradaccum", full, args.n_mb, args.steps,
                                 args.clip) for name in TIMED}
     counts = count_all_reduces()
-    times: dict[str, list[float]] = {name: [] for name in TIMED}
-    cpu: dict[str, list[float]] = {name: [] for name in TIMED}
+    rounds: list[dict[str, dict[str, list[float]]]] = []
     reduces: dict[str, list[int]] = {name: [] for name in TIMED}
-    for w in range(args.warmup + args.windows):
+    total = args.warmup + args.rounds * args.windows
+    for w in range(total):
         data = batches_of(w, args.steps, 1, args.batch, **shape)[0]
         order = TIMED[w % 3:] + TIMED[:w % 3]
+        timed_window = w >= args.warmup
+        if timed_window and (w - args.warmup) % args.windows == 0:
+            rounds.append({"times": {name: [] for name in TIMED}, "cpu": {name: [] for name in TIMED}})
         for name in order:
             counts["current"] = name
             before = counts.get(name, 0)
@@ -83,9 +90,9 @@ def timed(args: argparse.Namespace) -> dict[str, Any]:
             start, start_cpu = time.perf_counter(), time.process_time()
             loops[name].window(data)
             elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
-            if w >= args.warmup:
-                times[name].append(elapsed)
-                cpu[name].append(used)
+            if timed_window:
+                rounds[-1]["times"][name].append(elapsed)
+                rounds[-1]["cpu"][name].append(used)
                 reduces[name].append(counts.get(name, 0) - before)
         if w == 0:
             acc = loops["gradaccum checked"].acc
@@ -98,7 +105,20 @@ def timed(args: argparse.Namespace) -> dict[str, Any]:
         with OpCounter() as counter:
             loops[name].window(data)
         ops[name] = counter.count
-    return {"times": times, "cpu": cpu, "all_reduces": reduces, "ops": ops}
+    return {"rounds": rounds, "all_reduces": reduces, "ops": ops}
+
+
+def round_figures(ranks: list[dict[str, Any]], name: str) -> list[tuple[float, float, float, float]]:
+    """Per round: (ms per window, its ratio to the hand loop) on rank 0, and (CPU ms per window,
+    its ratio) of both ranks together; each a median over the round's windows."""
+    out = []
+    for i in range(len(ranks[0]["rounds"])):
+        med = statistics.median(ranks[0]["rounds"][i]["times"][name])
+        base = statistics.median(ranks[0]["rounds"][i]["times"]["hand"])
+        used = sum(statistics.median(r["rounds"][i]["cpu"][name]) for r in ranks)
+        base_cpu = sum(statistics.median(r["rounds"][i]["cpu"]["hand"]) for r in ranks)
+        out.append((med * 1e3, med / base, used * 1e3, used / base_cpu))
+    return out
 
 
 def bugs() -> dict[str, dict[str, float]]:
@@ -143,28 +163,35 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
     setup = (f"gloo, 2 processes x {args.threads} thread(s), Schedule1F1B, 2 stages of a token model "
              f"(hidden {args.hidden}, vocab {args.vocab}, float32), batch {args.batch} x {args.seq} tokens, "
              f"{args.n_mb} pipeline micro-batches per step(), {args.steps} step() per window, "
-             f"clip_norm {args.clip}, {args.windows} timed windows per loop after {args.warmup} warm-up, "
-             "interleaved (order rotating)")
+             f"clip_norm {args.clip}, {args.rounds} rounds of {args.windows} timed windows per loop after "
+             f"{args.warmup} warm-up, interleaved window by window (order rotating)")
     for key, value in {**machine, "setup": setup}.items():
         print(f"{key:>14}: {value}")
-    base = statistics.median(ranks[0]["times"]["hand"])
-    base_cpu = sum(statistics.median(r["cpu"]["hand"]) for r in ranks)
     rows = []
-    print("\n| loop | ms / window (median, rank 0) | vs hand | CPU ms / window (both ranks) | vs hand "
+    print(f"\nMedians over {args.rounds} rounds of each round's median; in brackets the rounds' lowest "
+          "and highest.")
+    print("\n| loop | ms / window (rank 0) | vs hand | CPU ms / window (both ranks) | vs hand "
           "| all-reduces / window | aten ops / window (rank 0, rank 1) | ops vs hand |")
     print("|---|---|---|---|---|---|---|---|")
     for name in TIMED:
-        med = statistics.median(ranks[0]["times"][name])
-        used = sum(statistics.median(r["cpu"][name]) for r in ranks)
+        per_round = round_figures(ranks, name)
+        ms, ratio, cpu_ms, cpu_ratio = ([f[i] for f in per_round] for i in range(4))
         ops = [r["ops"][name] for r in ranks]
-        row = {"loop": name, "ms_per_window": round(med * 1e3, 2), "time_vs_hand": round(med / base, 3),
-               "cpu_ms_per_window": round(used * 1e3, 2), "cpu_vs_hand": round(used / base_cpu, 3),
+        row = {"loop": name, "ms_per_window": round(statistics.median(ms), 2),
+               "time_vs_hand": round(statistics.median(ratio), 3),
+               "time_vs_hand_range": [round(min(ratio), 3), round(max(ratio), 3)],
+               "cpu_ms_per_window": round(statistics.median(cpu_ms), 2),
+               "cpu_vs_hand": round(statistics.median(cpu_ratio), 3),
+               "cpu_vs_hand_range": [round(min(cpu_ratio), 3), round(max(cpu_ratio), 3)],
+               "rounds": [[round(x, 4) for x in f] for f in per_round],
                "all_reduces_per_window": statistics.median(ranks[0]["all_reduces"][name]),
                "ops_per_window": ops,
                "ops_vs_hand": [o - r["ops"]["hand"] for o, r in zip(ops, ranks, strict=True)]}
         rows.append(row)
-        print(f"| {name} | {row['ms_per_window']:.2f} | {row['time_vs_hand']:.3f}x | "
-              f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x | "
+        spread = ["", ""] if name == "hand" else [  # the hand loop's ratios are 1 in every round
+            " [{:.3f}, {:.3f}]".format(*row[key]) for key in ("time_vs_hand_range", "cpu_vs_hand_range")]
+        print(f"| {name} | {row['ms_per_window']:.2f} | {row['time_vs_hand']:.3f}x{spread[0]} | "
+              f"{row['cpu_ms_per_window']:.2f} | {row['cpu_vs_hand']:.3f}x{spread[1]} | "
               f"{row['all_reduces_per_window']:g} | {ops[0]}, {ops[1]} | "
               f"{row['ops_vs_hand'][0]:+d}, {row['ops_vs_hand'][1]:+d} |")
     print(f"\nParameter error against one process on the full batch (float64, 2 windows of 2 batches x 4 "
@@ -184,6 +211,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]], found: dict[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=30, help="timed windows per loop (default 30)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of --windows windows; each gives a ratio, the table their median and range")
     p.add_argument("--warmup", type=int, default=3, help="untimed windows per loop first (default 3)")
     p.add_argument("--steps", type=int, default=4, help="step() calls per window (default 4)")
     p.add_argument("--n-mb", type=int, default=4, help="pipeline micro-batches per step() (default 4)")

@@ -37,6 +37,15 @@ from tests.ranks import run_scenarios
 STEPS, N_MB, SEQS, WINDOWS, CLIP = 3, 4, 8, 3, 0.05  # CLIP: below every window's norm, so it acts
 
 
+def one_replica(world: int) -> tuple[Any, Any, int, int]:
+    """The layout of ``world`` pipeline ranks with a data-parallel mesh of one rank each, so that a
+    stage module can be wrapped in ``fully_shard`` on 2 ranks (torchtitan's mesh with dp=1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"], dist.get_rank(), 0
+
+
 def halve(opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
@@ -89,7 +98,9 @@ class Pipe:
         return self.acc.backward_pipeline(self.schedule, *args, **kwargs)
 
     def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for m in self.mods for p in m.parameters()]
+        """This rank's parameters (an FSDP2 stage's local shards: comparing DTensors is a collective)."""
+        return [getattr(p, "to_local", p.detach)().detach().clone()
+                for m in self.mods for p in m.parameters()]
 
     def diff(self, ref: nn.Sequential) -> float:
         return max_diff(self.mods, stage_params(ref, self.pp_rank, self.pp, self.virtual))
@@ -199,7 +210,7 @@ def accum_dtype(rank: int, world: int) -> dict[str, Any]:
 def checkpoint(rank: int, world: int, reduction: str, **options: Any) -> dict[str, Any]:
     """state_dict on every rank in the middle of window 1, a fresh pipeline loads it and goes on:
     bitwise the uninterrupted run."""
-    whole = Pipe(world, reduction=reduction, **options)
+    whole = Pipe(world, reduction=reduction, layout_=options.pop("layout_", None), **options)
     lay = (whole.pp_group, whole.dp_mesh, whole.pp_rank, whole.dp_rank)
     calls = [b for window in whole.data() for b in window[whole.dp_rank]]
     for tokens, labels in calls:
@@ -219,10 +230,30 @@ def checkpoint(rank: int, world: int, reduction: str, **options: Any) -> dict[st
     resumed.acc.load_state_dict(saved["acc"])
     for tokens, labels in calls[cut:]:
         resumed.feed(tokens, labels)
-    return {"micro_step_saved": micro, "bitwise": all(torch.equal(a, b) for a, b in
-                                                      zip(whole.params(), resumed.params(), strict=True)),
+    pairs = list(zip(whole.params(), resumed.params(), strict=True))
+    return {"micro_step_saved": micro, "bitwise": all(torch.equal(a, b) for a, b in pairs),
             "loss_bitwise": torch.equal(whole.acc.window_loss, resumed.acc.window_loss),
-            "steps": resumed.acc.optimizer_steps}
+            "steps": resumed.acc.optimizer_steps, "diff": max(float((a - b).abs().max()) for a, b in pairs)}
+
+
+def eval_mid_window(rank: int, world: int, sync: str) -> dict[str, Any]:
+    """FSDP2 stages, a validation step (``schedule.eval``) after window 1's first call: it and the
+    next training step() re-run the schedule's metadata inference, whose cleanup sets the FSDP2
+    parameters' ``.grad`` to None; the window goes on as if no validation had run."""
+    pipe = Pipe(world, dp="fsdp", sync=sync, layout_=one_replica(world))
+    data = pipe.data()
+    raised = ""
+    try:
+        for w, window in enumerate(data):
+            for i, (tokens, labels) in enumerate(window[0]):
+                pipe.feed(tokens, labels)
+                if (w, i) == (1, 0):
+                    args = (tokens,) if pipe.first else ()
+                    pipe.schedule.eval(*args, target=labels if pipe.last else None)
+    except ValueError as e:
+        raised = str(e)
+    ref, _ = reference(2, data, sgd, CLIP, halve)
+    return {"raised": raised, "diff": pipe.diff(ref), "steps": pipe.acc.optimizer_steps}
 
 
 def collectives(rank: int, world: int) -> dict[str, Any]:
@@ -366,6 +397,20 @@ def uneven_calls(rank: int, world: int) -> dict[str, Any]:
     return attempt(pipe, calls)
 
 
+def skipped_call(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 skips its second batch, then every rank calls flush(): from there rank 1's labels
+    pair with rank 0's inputs of the batch before (the schedule's point-to-point messages pair
+    each stage's k-th step(), so every rank's window counts the same calls and window 1 steps);
+    rank 0's last call meets rank 1's flush(), which the per-call agreement catches on both."""
+    pipe = Pipe(world)
+    batches = [b for w in range(2) for b in window_batches(w, STEPS, 1, SEQS)[0]]
+    mine = [b for i, b in enumerate(batches) if not (rank == 1 and i == 1)]
+    pipe.feed(*mine[0])  # the run's first call attaches the pipeline's sync
+    pipe.acc._sync.every_call = True  # type: ignore[attr-defined]  # what TORCH_DISTRIBUTED_DEBUG sets
+    got = attempt(pipe, [*(lambda b=b: pipe.feed(*b) for b in mine[1:]), pipe.acc.flush])
+    return {**got, "made": got["made"] + 1}
+
+
 def torchtitan_bugs(rank: int, world: int) -> dict[str, Any]:
     """torchtitan's #1733 and #2972 and the correct loops, with clipping that acts and without:
     each one's largest difference from one process (2 windows of 2 batches x 4 micro-batches)."""
@@ -449,9 +494,22 @@ if __name__ == "__main__":
         "discard": discard_call,
         "checkpoint sum": lambda r, w: checkpoint(r, w, "sum"),
         "checkpoint mean": lambda r, w: checkpoint(r, w, "mean"),
+        # FSDP2 stages, sync="micro_batch": the resumed schedule's first step() clears the FSDP2
+        # parameters' .grad after its metadata inference (PipelineStage._post_metadata_inference_cleanup)
+        "checkpoint fsdp micro_batch": lambda r, w: checkpoint(r, w, "sum", dp="fsdp", sync="micro_batch",
+                                                               layout_=one_replica(w)),
+        "eval fsdp micro_batch": lambda r, w: eval_mid_window(r, w, "micro_batch"),
+        "eval fsdp window": lambda r, w: eval_mid_window(r, w, "window"),
+        # several FSDP2 stages per rank, model=nn.ModuleList of them (docs/PIPELINE.md)
+        "interleaved fsdp list sum clip": lambda r, w: train(r, w, "interleaved", virtual=2, dp="fsdp",
+                                                             layout_=one_replica(w)),
+        "interleaved fsdp list micro_batch mean": lambda r, w: train(
+            r, w, "interleaved", virtual=2, dp="fsdp", reduction="mean", clip=None, sync="micro_batch",
+            layout_=one_replica(w)),
         "collectives": collectives,
         "bad inputs": bad_inputs,
         "uneven calls": uneven_calls,
+        "skipped call": skipped_call,
         "guard on one rank": guard_on_one_rank,
         "torchtitan bugs": torchtitan_bugs,
         "recipes": recipes,

@@ -66,7 +66,9 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
             ``sync="local"``: each rank would normalize by its own item total and drift apart.
             While ``torch.distributed.pipelining`` is imported, such a model may be a pipeline
             stage's: a :class:`PendingSync` then defers the
-            refusal to its first micro-batch, unless that comes through ``backward_pipeline``.
+            refusal to its first micro-batch, unless that comes through ``backward_pipeline``;
+            so does an ``nn.ModuleList`` of FSDP2 roots (one rank's stages, which torch cannot
+            shard as one), refused elsewhere.
 
     Example:
         >>> make_sync(None).world_size
@@ -82,6 +84,15 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
         return DDPSync(model, mode)
     if isinstance(model, FSDPModule):
         return FSDPSync(model, mode)
+    if _stage_list(model, FSDPModule):
+        # A pipeline's FSDP2 stages, several per rank (docs/PIPELINE.md): torch cannot shard the
+        # container itself; backward_pipeline takes each stage's FSDP2 module from the schedule.
+        refusal = (f"model={type(model).__name__} of fully_shard modules: a container of FSDP2 roots is "
+                   "the stages of a pipeline (fed by backward_pipeline); otherwise pass the FSDP2 root "
+                   "module you call as model=")
+        if "torch.distributed.pipelining" in sys.modules and dist.get_world_size() > 1:
+            return PendingSync(refusal, mode)
+        raise ValueError(refusal)
     if model is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(
             f"model ({type(model).__name__}) has fully_shard submodules but is not itself an "
@@ -98,3 +109,12 @@ def make_sync(model: torch.nn.Module | None, mode: Any = "window") -> GradSync:
             return PendingSync(refusal, mode)  # a pipeline stage's module: decided at its first micro-batch
         raise ValueError(refusal)
     return LocalSync()
+
+
+def _stage_list(model: torch.nn.Module | None, root: type) -> bool:
+    """``model`` is an ``nn.ModuleList`` (or ``ModuleDict``) whose every entry is a ``root``
+    module: one rank's pipeline stages, each sharded on its own."""
+    if not isinstance(model, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return False
+    children = list(model.children())
+    return bool(children) and all(isinstance(c, root) for c in children)

@@ -15,8 +15,9 @@ one window spans every pipeline rank (and, with data parallelism, every replica)
   ``backward_maybe_with_nosync`` and ``perform_reduce_grad`` of each local stage, wrapped for
   the duration of the call).
 
-A plain module that may be a stage waits in ``distributed/selector.py``'s ``PendingSync`` until
-its first micro-batch.
+An FSDP2 stage's gradients are kept through the schedule's metadata inference, whose cleanup
+would clear them (:func:`_keep_grads`). A plain module that may be a stage waits in
+``distributed/selector.py``'s ``PendingSync`` until its first micro-batch.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class PipelineSync:
         self.fsdp_stages = [s for s in self.stages if any(isinstance(d, FSDPSync) and d.module is s.submod
                                                          for d in self.dp)]
         self.dp_lead = self.sharded or not self.dp or all(dist.get_rank(g) == 0 for g in dp_groups)
+        for stage in self.stages:
+            _keep_grads(stage)
         groups: list[Any]  # process groups (None: the default one)
         if pp_size * self.world_size == dist.get_world_size():
             groups = [dist.group.WORLD]  # one call over every pipeline and data-parallel rank
@@ -243,6 +246,37 @@ class PipelineSync:
         finally:
             for stage, name in patched:
                 vars(stage).pop(name, None)  # the class's method again
+
+
+def _keep_grads(stage: Any) -> None:
+    """Keep a stage's FSDP2 gradients through its schedule's metadata inference, for good.
+
+    A schedule's first ``step()`` (and its first after ``schedule.eval()``) runs the stage once to
+    infer shapes, then ``PipelineStage._post_metadata_inference_cleanup`` sets ``.grad = None`` on
+    every parameter of the stage's FSDP2 modules: a partial window that ``load_state_dict``
+    restored (``sync="micro_batch"``), or that a validation step interrupted, would be lost. The
+    inference computes input gradients only (``torch.autograd.grad``), so what ``.grad`` held
+    before it is what the window holds; the stage's method is replaced once, by one that restores
+    it (installed for the stage's life: the ``eval()`` step runs outside any window's call).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    real = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if real is None or getattr(real, "keeps_grads", False):
+        return  # an older torch without it, or wrapped by an earlier accumulator
+    params = list({id(p): p for m in stage.submod.modules() if isinstance(m, FSDPModule)
+                   for p in m.parameters()}.values())  # type: ignore[attr-defined]
+    if not params:
+        return
+
+    def _post_metadata_inference_cleanup() -> None:
+        kept = [(p, p.grad) for p in params]
+        real()
+        for p, grad in kept:
+            p.grad = grad
+
+    _post_metadata_inference_cleanup.keeps_grads = True  # type: ignore[attr-defined]
+    stage._post_metadata_inference_cleanup = _post_metadata_inference_cleanup
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:
