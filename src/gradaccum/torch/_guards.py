@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import torch
 
 from gradaccum.torch._hooks import hook_optimizer, retire
+from gradaccum.torch._param_groups import refuse_added_inside
 from gradaccum.torch._window_grads import WindowGrads
 
 __all__ = ["Guard", "exact_grads", "refuse_entry", "stepping_accumulator"]
@@ -70,23 +71,29 @@ class Guard:
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
         self._params = params
+        self._optimizer = optimizer
+        self._model = model
         self._probe: torch.Tensor | None = None  # None: the window's first note() is to come
         self._seen = -1  # the probe's .grad version after the last backward (-1: none)
         self._own = False
+        self.in_block = False  # a micro_batch() block is feeding (_micro_batch.feed_block sets it)
         self.grads = WindowGrads(params, model, exact)
         self._scheduler = scheduler
         self._scheduled: int | None = None  # the scheduler's last_epoch as the accumulator left it
+        self._children: list[tuple[Any, int]] = []  # a SequentialLR's (ChainedScheduler's) own, alike
+        self._rates: list[Any] | None = None  # the learning rates at the window's first micro-batch
         ref = weakref.ref(owner)
         self._owner = ref
 
         def refuse_foreign_step(opt: Any, args: Any, kwargs: Any) -> None:
             acc = ref()
-            if self._own or acc is None or not acc.micro_step:
+            if self._own or acc is None or not (acc.micro_step or self.in_block):
                 return
+            where = (f"an open window ({acc.micro_step} of {acc.steps} micro-batches)" if not self.in_block
+                     else f"an acc.micro_batch() block (micro-batch {acc.micro_step + 1} of {acc.steps})")
             raise RuntimeError(
-                f"optimizer.step() was called inside an open window ({acc.micro_step} of {acc.steps} "
-                "micro-batches): the accumulator steps the optimizer itself when acc.backward() "
-                "completes a window (and clears the gradients after it). Remove your "
+                f"optimizer.step() was called inside {where}: the accumulator steps the optimizer "
+                "itself when a window completes (and clears the gradients after it). Remove your "
                 "optimizer.step() and optimizer.zero_grad() calls; nothing was stepped")
 
         # A wrapper (Accelerate's AcceleratedOptimizer) steps the optimizer it wraps: hook that one.
@@ -98,8 +105,11 @@ class Guard:
         """The accumulator's own boundary: its optimizer step passes the hook (a scheduler
         stepped outside it is refused first; with ``defer``, a pipeline's, that refusal is handed
         to ``defer`` instead, and the boundary raises it on every rank together)."""
+        then = "this window is dropped: its gradients are cleared"
         try:
-            self.check_scheduler("this window is dropped: its gradients are cleared")
+            self.check_scheduler(then)
+            self._check_rates(then)
+            refuse_added_inside(self._optimizer, self._params)
         except RuntimeError as e:
             if defer is None:
                 raise
@@ -109,6 +119,7 @@ class Guard:
             yield
         finally:
             self._own = False
+            self._rates = None
 
     def check_first(self) -> None:
         """Before a window's first micro-batch: no stale gradient, no scheduler step of yours.
@@ -121,6 +132,7 @@ class Guard:
             self.scheduled()
         else:
             self.check_scheduler("nothing has changed")
+        self._rates = _rates(self._optimizer)  # compared at the boundary: no change inside the window
 
     def note(self) -> None:
         """After a micro-batch's backward: remember the probe's gradient version (and, after a
@@ -201,10 +213,21 @@ class Guard:
             _STEPPING.reset(token)
             self.scheduled()
 
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        """Guard ``params`` from here (the optimizer gained a parameter group), as a new
+        accumulator would: before a window's first micro-batch, nothing of a window recorded."""
+        self.forget()
+        self._params = params
+        self.grads = WindowGrads(params, self._model, self.grads.exact)
+
     def scheduled(self) -> None:
-        """Remember the scheduler's count as the accumulator leaves it."""
+        """Remember the scheduler's count (and its children's) as the accumulator leaves it; the
+        window's learning rates are read again at its next first micro-batch."""
+        self._rates = None
         if self._scheduler is not None:
             self._scheduled = _schedule_count(self._scheduler)
+            self._children = [(s, n) for s in _children(self._scheduler)
+                              if (n := _schedule_count(s)) is not None]
 
     def check_scheduler(self, then: str) -> None:
         """Raise if the scheduler moved since the accumulator left it (``then``: what the error
@@ -218,6 +241,7 @@ class Guard:
             return
         now = _schedule_count(self._scheduler)
         if now is None or now <= seen:
+            self._check_children(then)
             return
         self._scheduled = now  # said once: the next window is checked from here
         raise RuntimeError(
@@ -226,6 +250,52 @@ class Guard:
             "step(s) ahead). Accumulator(..., scheduler=...) steps it once per optimizer step itself: "
             "remove your own scheduler.step(), or do not pass scheduler= (and step it when "
             f"acc.backward() returns True); {then}")
+
+    def _check_children(self, then: str) -> None:
+        """Raise if a scheduler inside the ``scheduler=`` (a ``SequentialLR``'s or a
+        ``ChainedScheduler``'s) was stepped directly: its own count moved, the outer one did not.
+
+        Raises:
+            RuntimeError: naming the fix.
+        """
+        for child, seen in self._children:
+            now = _schedule_count(child)
+            if now is None or now <= seen:
+                continue
+            self.scheduled()  # said once: the next window is checked from here
+            raise RuntimeError(
+                f"{type(child).__name__}.step() was called outside the accumulator on a child of the "
+                f"{type(self._scheduler).__name__} given as scheduler=: its last_epoch is {now}, the "
+                f"accumulator's step left it at {seen}, so the learning rate is {now - seen} step(s) "
+                "ahead. The accumulator steps the scheduler= (and through it its children) once per "
+                f"optimizer step: remove your own step() of its children; {then}")
+
+    def _check_rates(self, then: str) -> None:
+        """At the boundary: raise if a learning rate changed since the window's first micro-batch
+        (a scheduler stepped, or ``lr`` set, every micro-batch). Between windows, after the
+        accumulator's own scheduler step, the learning rates are the user's to change.
+
+        Raises:
+            RuntimeError: naming the group, both rates and the fix.
+        """
+        was = self._rates
+        if was is None:
+            return
+        now = _rates(self._optimizer)
+        if len(now) != len(was):  # a group added inside the window: refuse_added_inside's
+            return
+        for i, (a, b) in enumerate(zip(was, now, strict=True)):
+            if _same_rate(a, b):
+                continue
+            self._rates = None
+            raise RuntimeError(
+                f"the learning rate of parameter group {i} changed inside the window, from "
+                f"{_rate_value(a)} at its first micro-batch to {_rate_value(b)} at its boundary: a "
+                "scheduler.step() (or an lr set) every micro-batch, such as a second scheduler on this "
+                "optimizer or a child of a SequentialLR stepped directly. The window's one update "
+                "takes one learning rate: step schedulers (or set lr) when acc.backward() returns "
+                "True, or give the one scheduler as Accumulator(..., scheduler=); "
+                f"{then}")
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
@@ -239,6 +309,32 @@ def _schedule_count(scheduler: Any) -> int | None:
     """An LR scheduler's ``last_epoch`` (Accelerate's wrapper: the wrapped one's), or None."""
     count = getattr(getattr(scheduler, "scheduler", scheduler), "last_epoch", None)
     return count if type(count) is int else None
+
+
+def _children(scheduler: Any) -> list[Any]:
+    """The schedulers a ``SequentialLR`` or ``ChainedScheduler`` steps (Accelerate's wrapper:
+    the wrapped one's), nested ones included."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    found = []
+    for child in getattr(inner, "_schedulers", None) or ():
+        found += [child, *_children(child)]
+    return found
+
+
+def _rates(optimizer: Any) -> list[Any]:
+    """Each group's learning rate: a number, or a tensor with its version (no device read)."""
+    return [(lr, lr._version) if isinstance(lr := g.get("lr"), torch.Tensor) else lr
+            for g in optimizer.param_groups]
+
+
+def _same_rate(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and a[0] is b[0] and a[1] == b[1]
+    return bool(a == b)
+
+
+def _rate_value(rate: Any) -> Any:
+    return float(rate[0]) if isinstance(rate, tuple) else rate
 
 
 def exact_grads(sync: Any) -> bool:

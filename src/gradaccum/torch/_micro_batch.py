@@ -137,10 +137,12 @@ def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync:
         return factor
 
     mb = MicroBatch(run, weigh)
+    guard.in_block = True  # an optimizer.step() in the block is refused, at any micro-step
     try:
         yield mb
     finally:
         mb.closed = True
+        guard.in_block = False
     guard.note_passes(len(mb.parts))
     mb.stepped = commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                          terms=add_terms(pending.terms, fed)))

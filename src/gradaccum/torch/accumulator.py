@@ -38,6 +38,7 @@ from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import HookList
 from gradaccum.torch._micro_batch import MicroBatch, feed_block
+from gradaccum.torch._param_groups import optimizer_params, param_count
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._saves import SaveWatch
 from gradaccum.torch._state import check_size, check_state, pack_state, restore_grads, restore_window
@@ -144,7 +145,7 @@ class Accumulator:
         self.schedule: Schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_params(optimizer)  # a group added later is taken in by _take_groups
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
         self._sync: GradSync = make_sync(model, sync)
@@ -487,7 +488,7 @@ class Accumulator:
         """
         self._refuse_in_block("load_state_dict")
         window = check_state(state, self.schedule.describe(), self._params)
-        check_size(window, self.schedule)
+        check_size(window, self.schedule, state)
         self._precision.check_state(state.get("accum"))
         # Loading sets the shared .grad (to None for an empty window): never under another's window.
         self._holders.refuse_overlap("load a partial window" if not window.empty else
@@ -502,6 +503,7 @@ class Accumulator:
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
         self._holders.adopt()
+        self._guard.scheduled()  # the learning rates (a scheduler's state loaded beside) are read anew
         self._guard.resume(self._window.micro_step)
 
     def register_boundary_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
@@ -567,8 +569,33 @@ class Accumulator:
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
+            if param_count(self.optimizer) != len(self._params):
+                self._take_groups()
             self._holders.check_first()
             self._guard.check_first()  # stale gradients, a scheduler stepped outside
+
+    def _take_groups(self) -> None:
+        """The optimizer gained (or lost) parameter groups since its parameters were taken
+        (``add_param_group``: progressive unfreezing): before the window's first micro-batch,
+        every part that holds the parameters takes the new list, as a new accumulator would
+        (torch/_param_groups.py).
+
+        Raises:
+            RuntimeError: under ``backward_pipeline`` (its stages were checked against the
+                parameters at its first call); nothing has changed.
+            ValueError: as the constructor, for the new parameters; nothing has changed.
+        """
+        if isinstance(self._sync, PipelineSync):
+            raise RuntimeError("optimizer.add_param_group() after backward_pipeline's first call: the "
+                               "pipeline's stages were matched to the optimizer's parameters then; "
+                               "build a new Accumulator over the optimizer after adding the group (at "
+                               "a boundary). Nothing has changed")
+        params = optimizer_params(self.optimizer)
+        self._precision.adopt(params, self.model)  # raises first, if the new parameters cannot be taken
+        self._params = params
+        self._holders = Holders(self, params)
+        self._guard.adopt(params)
+        self._cached = CachedBackward(params, self._precision, self._sync, self.model)
 
     def _commit(self, window: Window) -> bool:
         self._window = window
