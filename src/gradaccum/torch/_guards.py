@@ -7,8 +7,9 @@ gradient (scaled by ``1/N``) and the second throws the window's gradient away; t
 scheduler the accumulator steps too. Nothing fails, the training is just wrong. Cheap guards:
 
 * a **step pre-hook** on the optimizer refuses a step the accumulator does not make while its
-  window is open: a ``RuntimeError`` before the optimizer changes anything. (A step after a
-  boundary, with every gradient ``None``, changes nothing and passes.)
+  window is open, or inside a ``micro_batch()`` block (a window's first micro-batch too: with
+  ``steps=1`` it would step twice): a ``RuntimeError`` before the optimizer changes anything. (A
+  step after a boundary, with every gradient ``None``, changes nothing and passes.)
 * a **probe** on one parameter's ``.grad``: its version counter is read after each micro-batch's
   backward and compared before the next one. ``zero_grad()`` (``None``), ``zero_grad(set_to_none=
   False)`` or an in-place change such as per-micro-batch clipping shows as another version, and
@@ -22,9 +23,14 @@ scheduler the accumulator steps too. Nothing fails, the training is just wrong. 
   window's first micro-batch and at the boundary, before anything changes. A count that moved
   forward in between is a ``scheduler.step()`` of your own: ``RuntimeError``, naming the fix. A
   scheduler without an integer ``last_epoch`` is not checked; ``load_state_dict`` starts over (a
-  scheduler's state is loaded beside it). While the accumulator steps it,
+  scheduler's state is loaded beside it). The children of a ``SequentialLR`` or
+  ``ChainedScheduler`` are counted alike (one stepped directly). While the accumulator steps it,
   :func:`stepping_accumulator` names the accumulator, so a wrapper that gates a scheduler's
   ``step`` lets that call through (the Accelerate adapter's gate).
+* the **learning rates**, read at a window's first micro-batch and compared at its boundary
+  (``torch/_rates.py``): one changed inside the window is refused, the window dropped.
+* **parameter groups** added inside a window that hold gradients are refused at its boundary
+  (``torch/_param_groups.py``); :meth:`Guard.adopt` takes groups added between windows.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 
 from gradaccum.torch._hooks import hook_optimizer, retire
 from gradaccum.torch._param_groups import refuse_added_inside
+from gradaccum.torch._rates import child_counts, child_stepped, rate_change, read_rates, schedule_count
 from gradaccum.torch._window_grads import WindowGrads
 
 __all__ = ["Guard", "exact_grads", "refuse_entry", "stepping_accumulator"]
@@ -132,7 +139,7 @@ class Guard:
             self.scheduled()
         else:
             self.check_scheduler("nothing has changed")
-        self._rates = _rates(self._optimizer)  # compared at the boundary: no change inside the window
+        self._rates = read_rates(self._optimizer)  # compared at the boundary: no change inside the window
 
     def note(self) -> None:
         """After a micro-batch's backward: remember the probe's gradient version (and, after a
@@ -225,9 +232,8 @@ class Guard:
         window's learning rates are read again at its next first micro-batch."""
         self._rates = None
         if self._scheduler is not None:
-            self._scheduled = _schedule_count(self._scheduler)
-            self._children = [(s, n) for s in _children(self._scheduler)
-                              if (n := _schedule_count(s)) is not None]
+            self._scheduled = schedule_count(self._scheduler)
+            self._children = child_counts(self._scheduler)
 
     def check_scheduler(self, then: str) -> None:
         """Raise if the scheduler moved since the accumulator left it (``then``: what the error
@@ -239,7 +245,7 @@ class Guard:
         seen = self._scheduled
         if seen is None:
             return
-        now = _schedule_count(self._scheduler)
+        now = schedule_count(self._scheduler)
         if now is None or now <= seen:
             self._check_children(then)
             return
@@ -252,50 +258,27 @@ class Guard:
             f"acc.backward() returns True); {then}")
 
     def _check_children(self, then: str) -> None:
-        """Raise if a scheduler inside the ``scheduler=`` (a ``SequentialLR``'s or a
-        ``ChainedScheduler``'s) was stepped directly: its own count moved, the outer one did not.
+        """Raise if a child of the ``scheduler=`` (a ``SequentialLR``'s) was stepped directly.
 
         Raises:
-            RuntimeError: naming the fix.
+            RuntimeError: naming the fix (said once: the next window is checked from here).
         """
-        for child, seen in self._children:
-            now = _schedule_count(child)
-            if now is None or now <= seen:
-                continue
-            self.scheduled()  # said once: the next window is checked from here
-            raise RuntimeError(
-                f"{type(child).__name__}.step() was called outside the accumulator on a child of the "
-                f"{type(self._scheduler).__name__} given as scheduler=: its last_epoch is {now}, the "
-                f"accumulator's step left it at {seen}, so the learning rate is {now - seen} step(s) "
-                "ahead. The accumulator steps the scheduler= (and through it its children) once per "
-                f"optimizer step: remove your own step() of its children; {then}")
+        refusal = child_stepped(self._scheduler, self._children, then)
+        if refusal is not None:
+            self.scheduled()
+            raise RuntimeError(refusal)
 
     def _check_rates(self, then: str) -> None:
         """At the boundary: raise if a learning rate changed since the window's first micro-batch
-        (a scheduler stepped, or ``lr`` set, every micro-batch). Between windows, after the
-        accumulator's own scheduler step, the learning rates are the user's to change.
+        (torch/_rates.py).
 
         Raises:
             RuntimeError: naming the group, both rates and the fix.
         """
-        was = self._rates
-        if was is None:
-            return
-        now = _rates(self._optimizer)
-        if len(now) != len(was):  # a group added inside the window: refuse_added_inside's
-            return
-        for i, (a, b) in enumerate(zip(was, now, strict=True)):
-            if _same_rate(a, b):
-                continue
+        refusal = None if self._rates is None else rate_change(self._rates, self._optimizer, then)
+        if refusal is not None:
             self._rates = None
-            raise RuntimeError(
-                f"the learning rate of parameter group {i} changed inside the window, from "
-                f"{_rate_value(a)} at its first micro-batch to {_rate_value(b)} at its boundary: a "
-                "scheduler.step() (or an lr set) every micro-batch, such as a second scheduler on this "
-                "optimizer or a child of a SequentialLR stepped directly. The window's one update "
-                "takes one learning rate: step schedulers (or set lr) when acc.backward() returns "
-                "True, or give the one scheduler as Accumulator(..., scheduler=); "
-                f"{then}")
+            raise RuntimeError(refusal)
 
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
@@ -303,38 +286,6 @@ class Guard:
         first micro-batch that raised, never discarded) stops: its hooks leave the parameters."""
         retire(self._handle)
         self.grads.forget()
-
-
-def _schedule_count(scheduler: Any) -> int | None:
-    """An LR scheduler's ``last_epoch`` (Accelerate's wrapper: the wrapped one's), or None."""
-    count = getattr(getattr(scheduler, "scheduler", scheduler), "last_epoch", None)
-    return count if type(count) is int else None
-
-
-def _children(scheduler: Any) -> list[Any]:
-    """The schedulers a ``SequentialLR`` or ``ChainedScheduler`` steps (Accelerate's wrapper:
-    the wrapped one's), nested ones included."""
-    inner = getattr(scheduler, "scheduler", scheduler)
-    found = []
-    for child in getattr(inner, "_schedulers", None) or ():
-        found += [child, *_children(child)]
-    return found
-
-
-def _rates(optimizer: Any) -> list[Any]:
-    """Each group's learning rate: a number, or a tensor with its version (no device read)."""
-    return [(lr, lr._version) if isinstance(lr := g.get("lr"), torch.Tensor) else lr
-            for g in optimizer.param_groups]
-
-
-def _same_rate(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return isinstance(a, tuple) and isinstance(b, tuple) and a[0] is b[0] and a[1] == b[1]
-    return bool(a == b)
-
-
-def _rate_value(rate: Any) -> Any:
-    return float(rate[0]) if isinstance(rate, tuple) else rate
 
 
 def exact_grads(sync: Any) -> bool:
