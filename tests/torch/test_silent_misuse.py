@@ -292,3 +292,49 @@ def test_an_edit_through_grad_data_goes_unseen_as_the_guide_says():
     acc.backward(loss_of(model, *data_[1]))
     model[0].weight.grad.data.mul_(0.5)
     assert acc.backward(loss_of(model, *data_[2]))  # not refused
+
+
+def _bf16_unfreezing(adopt):
+    """bf16 parameters summed in float32 buffers (``accum_dtype``); the first layer joins after one
+    window. ``adopt``: the same accumulator takes it in; else a new one is built there."""
+    model = mlp(torch.bfloat16)
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(opt, 2, clip_norm=0.3, accum_dtype=torch.float32)
+    for w, window in enumerate((batches(1, 2), batches(1, 2, seed=2), batches(1, 2, seed=3))):
+        if w == 1:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": model[0].parameters(), "lr": 0.05})
+            if not adopt:
+                acc = gradaccum.Accumulator(opt, 2, clip_norm=0.3, accum_dtype=torch.float32)
+        for xb, yb in window:
+            acc.backward(loss_of(model, xb.bfloat16(), yb))
+    return model, acc
+
+
+def test_a_group_added_between_windows_gets_its_wide_buffers_as_a_new_accumulator_would():
+    (adopted, acc), (rebuilt, _) = _bf16_unfreezing(True), _bf16_unfreezing(False)
+    assert acc.state_dict()["accum"] is not None and acc.optimizer_steps == 3
+    assert not torch.equal(adopted[0].weight, mlp(torch.bfloat16)[0].weight)
+    for p, q in zip(adopted.parameters(), rebuilt.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_group_added_between_windows_reaches_backward_cached():
+    """Both towers frozen, the temperature trained; then the text tower joins: backward_cached's
+    check of the trainable parameters sees it (an encode that detaches is refused, naming them)."""
+    from tests.contrastive import Towers, clip_loss, pairs
+
+    model = Towers()
+    model.image.requires_grad_(False)
+    model.text.requires_grad_(False)
+    opt = torch.optim.SGD([model.logit_scale], lr=0.1)
+    acc = gradaccum.Accumulator(opt, 1, model=model)
+    chunks = list(zip(*(z.split(4) for z in pairs(8)), strict=True))
+    loss = lambda i, t: clip_loss(i, t, model.logit_scale)  # noqa: E731
+    detached = lambda c: tuple(z.detach() for z in model(*c))  # noqa: E731
+    assert acc.backward_cached(detached, loss, chunks)  # nothing trainable upstream: as a full batch
+    model.text.requires_grad_(True)
+    opt.add_param_group({"params": model.text.parameters()})
+    with pytest.raises(ValueError, match=r"encode reads 4 trainable parameter\(s\)"):
+        acc.backward_cached(detached, loss, chunks)
