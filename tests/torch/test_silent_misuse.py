@@ -32,11 +32,13 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------- progressive unfreezing
-def unfreezing_run(model, steps, clip_norm, *, use_acc, save_at=None, unfreeze_after=2, windows=5):
+def unfreezing_run(model, steps, clip_norm, *, use_acc, save_at=None, stop_at=None, unfreeze_after=2,
+                   windows=5):
     """Train the head first; after ``unfreeze_after`` windows unfreeze the first layer and add it
     as a parameter group of its own (another lr). With ``use_acc``: through an Accumulator of
     ``steps``, else one full-batch step per window. ``save_at``: (window, micro-batch) where the
-    accumulator's state is saved and the run resumed into a new optimizer and accumulator."""
+    accumulator's state is saved and the run resumed into a new optimizer and accumulator;
+    ``stop_at``: where the run stops (returning the accumulator there)."""
     first, head = model[0], model[2]
     first.requires_grad_(False)
     opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
@@ -55,6 +57,8 @@ def unfreezing_run(model, steps, clip_norm, *, use_acc, save_at=None, unfreeze_a
             opt.step()
             continue
         for k, (xb, yb) in enumerate(window):
+            if stop_at == (w, k):
+                return model, acc
             if save_at == (w, k):
                 state, opt_state = acc.state_dict(), opt.state_dict()
                 del acc
@@ -64,22 +68,42 @@ def unfreezing_run(model, steps, clip_norm, *, use_acc, save_at=None, unfreeze_a
                 acc = gradaccum.Accumulator(opt, steps, clip_norm=clip_norm)
                 acc.load_state_dict(state)
             assert acc.backward(loss_of(model, xb, yb)) == (k == steps - 1)
-    return model
+    return model, acc
 
 
 @pytest.mark.parametrize("steps", [1, 4])
 def test_a_group_added_between_windows_is_normalized_and_clipped_like_the_full_batch(steps):
-    ref = unfreezing_run(mlp(), steps, 0.3, use_acc=False)
-    got = unfreezing_run(mlp(), steps, 0.3, use_acc=True)
+    ref, _ = unfreezing_run(mlp(), steps, 0.3, use_acc=False)
+    got, _ = unfreezing_run(mlp(), steps, 0.3, use_acc=True)
     assert not torch.equal(ref[0].weight, mlp()[0].weight)  # the added group trained
     assert_same(got, ref)
 
 
 def test_a_group_added_between_windows_is_saved_and_resumes_bitwise():
-    straight = unfreezing_run(mlp(), 4, 0.3, use_acc=True)
-    resumed = unfreezing_run(mlp(), 4, 0.3, use_acc=True, save_at=(3, 2))
+    straight, _ = unfreezing_run(mlp(), 4, 0.3, use_acc=True)
+    resumed, _ = unfreezing_run(mlp(), 4, 0.3, use_acc=True, save_at=(3, 2))
     for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_state_saved_after_a_group_was_added_loads_where_the_group_is_added_again():
+    """The resume of progressive unfreezing: the optimizer and accumulator built as at the start,
+    the group added again (the run is past the unfreezing), then the state loaded."""
+    straight, _ = unfreezing_run(mlp(), 4, 0.3, use_acc=True)
+    first, acc = unfreezing_run(mlp(), 4, 0.3, use_acc=True, stop_at=(3, 2))  # the group added at 2
+    state, opt_state = acc.state_dict(), acc.optimizer.state_dict()
+    del acc
+    first.zero_grad(set_to_none=True)  # as in a new process: the gradients come from the state
+    opt = torch.optim.SGD(first[2].parameters(), lr=0.1, momentum=0.9)
+    acc = gradaccum.Accumulator(opt, 4, clip_norm=0.3)
+    opt.add_param_group({"params": first[0].parameters(), "lr": 0.05})
+    opt.load_state_dict(opt_state)
+    acc.load_state_dict(state)
+    for xb, yb in batches(5, 4)[3 * 4 + 2:]:
+        acc.backward(loss_of(first, xb, yb))
+    for p, q in zip(straight.parameters(), first.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert_same(first, unfreezing_run(mlp(), 4, 0.3, use_acc=False)[0])
 
 
 def test_a_group_added_between_windows_is_guarded():

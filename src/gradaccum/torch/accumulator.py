@@ -477,7 +477,8 @@ class Accumulator:
         The window resumes at the size it was saved with (the one it opened with: a window
         carried into a new epoch by :meth:`set_epoch`, or sized by :meth:`resize_window`, keeps
         it); the next window reads the schedule. Every state :meth:`state_dict` writes loads
-        into an accumulator built the same way.
+        into an accumulator built the same way. Parameter groups the optimizer gained since the
+        accumulator was built (progressive unfreezing, added again on resume) are taken in first.
 
         Raises:
             TypeError, ValueError: a field is missing, of the wrong type or out of range (the
@@ -487,8 +488,11 @@ class Accumulator:
                 (loading would overwrite its gradients); nothing is changed.
         """
         self._refuse_in_block("load_state_dict")
-        window = check_state(state, self.schedule.describe(), self._params)
+        params = optimizer_params(self.optimizer)  # a group added since is taken in with the state
+        window = check_state(state, self.schedule.describe(), params)
         check_size(window, self.schedule, state)
+        if len(params) != len(self._params):
+            self._take_groups()  # the state's window replaces this one, gradients and all
         self._precision.check_state(state.get("accum"))
         # Loading sets the shared .grad (to None for an empty window): never under another's window.
         self._holders.refuse_overlap("load a partial window" if not window.empty else
