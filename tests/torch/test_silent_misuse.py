@@ -224,7 +224,7 @@ def test_learning_rates_changed_between_windows_are_the_users_own():
                 out.backward()
                 opt.step()
                 sched.step()
-                loss = float(out)
+                loss = float(out.detach())
             chained.step()
             plateau.step(loss + w)  # worsening: it reduces
             if w == 2:
