@@ -457,3 +457,33 @@ def test_chunks_refuses_a_bad_size(size, error):
 def test_chunks_refuses_tensors_of_different_lengths():
     with pytest.raises(ValueError, match="disagree"):
         gradaccum.chunks((torch.zeros(4), torch.zeros(5)), 2)
+
+
+# ------------------------------------------------------------------ frozen towers (issue 41, item 6)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_frozen_towers_beside_a_trainable_parameter_no_loss_reaches_train_as_the_full_batch(steps):
+    """Only the temperature trains through the loss; one more trainable parameter is used by no
+    loss. A full batch gives it no gradient, and so does backward_cached (it was refused)."""
+    model = Towers()
+    model.image.requires_grad_(False)
+    model.text.requires_grad_(False)
+    model.unused = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    batches = [list(zip(*(z.split(4) for z in pairs(12, seed=s)), strict=True)) for s in range(steps)]
+    want = reference(model, batches)
+    seen, acc = run_cached(model, batches, steps=steps)
+    assert acc.optimizer_steps == 1
+    assert seen[0]["unused"] is None and seen[0]["image.0.weight"] is None
+    assert float(want["logit_scale"].abs()) > 1e-3
+    assert largest_difference(seen[0], want) < 1e-12
+
+
+def test_an_encode_that_detaches_beside_a_parameter_no_loss_reaches_is_still_refused():
+    model = Towers()
+    model.unused = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 1, model=model)
+    chunks = list(zip(*(z.split(4) for z in pairs(12)), strict=True))
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"encode reads 8 trainable parameter\(s\).*detached"):
+        acc.backward_cached(lambda c: tuple(z.detach() for z in model(*c)), clip_of(model), chunks)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())

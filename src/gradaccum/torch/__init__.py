@@ -7,9 +7,10 @@ hot path). Its parts sit beside it as private modules, each told only what it ne
 (``_boundary.py``), the backward weights (``_weights.py``, ``_terms.py``), mixed precision
 (``_precision.py``, ``_accum_buffers.py``), the gradient passes and the window loss (``_grads.py``,
 ``_window_loss.py``), the guards (``_guards.py``, ``_window_grads.py``, ``_holders.py``,
-``_saves.py``), the checkpoint record (``_state.py``), a multi-task block (``_micro_batch.py``),
-window hooks (``_hooks.py``) and input checks (``_validate.py``). Each feature has a folder of its
-own, matching its page in ``docs/``: ``distributed/`` (DISTRIBUTED), ``pipeline/``
+``_saves.py``, ``_rates.py``; ``_param_groups.py``: the groups an optimizer gains), the
+checkpoint record (``_state.py``), a multi-task block (``_micro_batch.py``), window hooks
+(``_hooks.py``) and input checks (``_validate.py``). Each feature has a folder of its own,
+matching its page in ``docs/``: ``distributed/`` (DISTRIBUTED), ``pipeline/``
 (``backward_pipeline``: PIPELINE), ``cached/`` (``backward_cached``: CONTRASTIVE), ``check/``
 (CHECK), ``memory/`` (MEMORY), ``batchnorm/`` (BATCHNORM); ``tokens.py`` is ``count_tokens``.
 

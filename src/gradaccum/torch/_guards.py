@@ -7,8 +7,9 @@ gradient (scaled by ``1/N``) and the second throws the window's gradient away; t
 scheduler the accumulator steps too. Nothing fails, the training is just wrong. Cheap guards:
 
 * a **step pre-hook** on the optimizer refuses a step the accumulator does not make while its
-  window is open: a ``RuntimeError`` before the optimizer changes anything. (A step after a
-  boundary, with every gradient ``None``, changes nothing and passes.)
+  window is open, or inside a ``micro_batch()`` block (a window's first micro-batch too: with
+  ``steps=1`` it would step twice): a ``RuntimeError`` before the optimizer changes anything. (A
+  step after a boundary, with every gradient ``None``, changes nothing and passes.)
 * every parameter's gradient (``torch/_window_grads.py``): none left over at a window's first
   micro-batch; between the accumulator's calls none changed (its version counter read after each
   micro-batch and compared before the next: ``zero_grad()``, ``zero_grad(set_to_none=False)``,
@@ -20,9 +21,14 @@ scheduler the accumulator steps too. Nothing fails, the training is just wrong. 
   window's first micro-batch and at the boundary, before anything changes. A count that moved
   forward in between is a ``scheduler.step()`` of your own: ``RuntimeError``, naming the fix. A
   scheduler without an integer ``last_epoch`` is not checked; ``load_state_dict`` starts over (a
-  scheduler's state is loaded beside it). While the accumulator steps it,
+  scheduler's state is loaded beside it). The children of a ``SequentialLR`` or
+  ``ChainedScheduler`` are counted alike (one stepped directly). While the accumulator steps it,
   :func:`stepping_accumulator` names the accumulator, so a wrapper that gates a scheduler's
   ``step`` lets that call through (the Accelerate adapter's gate).
+* the **learning rates**, read at a window's first micro-batch and compared at its boundary
+  (``torch/_rates.py``): one changed inside the window is refused, the window dropped.
+* **parameter groups** added inside a window that hold gradients are refused at its boundary
+  (``torch/_param_groups.py``); :meth:`Guard.adopt` takes groups added between windows.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any, NoReturn
 import torch
 
 from gradaccum.torch._hooks import hook_optimizer, retire
+from gradaccum.torch._param_groups import refuse_added_inside
+from gradaccum.torch._rates import child_counts, child_stepped, rate_change, read_rates, schedule_count
 from gradaccum.torch._window_grads import WindowGrads
 
 __all__ = ["Guard", "exact_grads", "refuse_entry", "stepping_accumulator"]
@@ -67,7 +75,11 @@ class Guard:
 
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
+        self._params = params
+        self._optimizer = optimizer
+        self._model = model
         self._own = False
+        self.in_block = False  # a micro_batch() block is feeding (_micro_batch.feed_block sets it)
         self.grads = WindowGrads(params, model, exact)
         # The per-micro-step calls go straight to the gradient checks (no call between: the hot
         # path's Python calls stay 0.3.0's). note(): after a micro-batch, the gradients as it left
@@ -77,17 +89,20 @@ class Guard:
         self.check = self.grads.check
         self._scheduler = scheduler
         self._scheduled: int | None = None  # the scheduler's last_epoch as the accumulator left it
+        self._children: list[tuple[Any, int]] = []  # a SequentialLR's (ChainedScheduler's) own, alike
+        self._rates: list[Any] | None = None  # the learning rates at the window's first micro-batch
         ref = weakref.ref(owner)
         self._owner = ref
 
         def refuse_foreign_step(opt: Any, args: Any, kwargs: Any) -> None:
             acc = ref()
-            if self._own or acc is None or not acc.micro_step:
+            if self._own or acc is None or not (acc.micro_step or self.in_block):
                 return
+            where = (f"an open window ({acc.micro_step} of {acc.steps} micro-batches)" if not self.in_block
+                     else f"an acc.micro_batch() block (micro-batch {acc.micro_step + 1} of {acc.steps})")
             raise RuntimeError(
-                f"optimizer.step() was called inside an open window ({acc.micro_step} of {acc.steps} "
-                "micro-batches): the accumulator steps the optimizer itself when acc.backward() "
-                "completes a window (and clears the gradients after it). Remove your "
+                f"optimizer.step() was called inside {where}: the accumulator steps the optimizer "
+                "itself when a window completes (and clears the gradients after it). Remove your "
                 "optimizer.step() and optimizer.zero_grad() calls; nothing was stepped")
 
         # A wrapper (Accelerate's AcceleratedOptimizer) steps the optimizer it wraps: hook that one.
@@ -99,8 +114,11 @@ class Guard:
         """The accumulator's own boundary: its optimizer step passes the hook (a scheduler
         stepped outside it is refused first; with ``defer``, a pipeline's, that refusal is handed
         to ``defer`` instead, and the boundary raises it on every rank together)."""
+        then = "this window is dropped: its gradients are cleared"
         try:
-            self.check_scheduler("this window is dropped: its gradients are cleared")
+            self.check_scheduler(then)
+            self._check_rates(then)
+            refuse_added_inside(self._optimizer, self._params)
         except RuntimeError as e:
             if defer is None:
                 raise
@@ -110,6 +128,7 @@ class Guard:
             yield
         finally:
             self._own = False
+            self._rates = None
 
     def check_first(self) -> None:
         """Before a window's first micro-batch: no stale gradient, no scheduler step of yours.
@@ -122,6 +141,7 @@ class Guard:
             self.scheduled()
         else:
             self.check_scheduler("nothing has changed")
+        self._rates = read_rates(self._optimizer)  # compared at the boundary: no change inside the window
 
     def resume(self, micro_step: int) -> None:
         """After ``load_state_dict``: record the loaded window's gradients (none when empty);
@@ -150,10 +170,21 @@ class Guard:
             _STEPPING.reset(token)
             self.scheduled()
 
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        """Guard ``params`` from here (the optimizer gained a parameter group), as a new
+        accumulator would: before a window's first micro-batch, nothing of a window recorded."""
+        self.forget()
+        self._params = params
+        self.grads = WindowGrads(params, self._model, self.grads.exact)
+        self.note, self.check = self.grads.note, self.grads.check
+
     def scheduled(self) -> None:
-        """Remember the scheduler's count as the accumulator leaves it."""
+        """Remember the scheduler's count (and its children's) as the accumulator leaves it; the
+        window's learning rates are read again at its next first micro-batch."""
+        self._rates = None
         if self._scheduler is not None:
-            self._scheduled = _schedule_count(self._scheduler)
+            self._scheduled = schedule_count(self._scheduler)
+            self._children = child_counts(self._scheduler)
 
     def check_scheduler(self, then: str) -> None:
         """Raise if the scheduler moved since the accumulator left it (``then``: what the error
@@ -165,8 +196,9 @@ class Guard:
         seen = self._scheduled
         if seen is None:
             return
-        now = _schedule_count(self._scheduler)
+        now = schedule_count(self._scheduler)
         if now is None or now <= seen:
+            self._check_children(then)
             return
         self._scheduled = now  # said once: the next window is checked from here
         raise RuntimeError(
@@ -176,16 +208,33 @@ class Guard:
             "remove your own scheduler.step(), or do not pass scheduler= (and step it when "
             f"acc.backward() returns True); {then}")
 
+    def _check_children(self, then: str) -> None:
+        """Raise if a child of the ``scheduler=`` (a ``SequentialLR``'s) was stepped directly.
+
+        Raises:
+            RuntimeError: naming the fix (said once: the next window is checked from here).
+        """
+        refusal = child_stepped(self._scheduler, self._children, then)
+        if refusal is not None:
+            self.scheduled()
+            raise RuntimeError(refusal)
+
+    def _check_rates(self, then: str) -> None:
+        """At the boundary: raise if a learning rate changed since the window's first micro-batch
+        (torch/_rates.py).
+
+        Raises:
+            RuntimeError: naming the group, both rates and the fix.
+        """
+        refusal = None if self._rates is None else rate_change(self._rates, self._optimizer, then)
+        if refusal is not None:
+            self._rates = None
+            raise RuntimeError(refusal)
+
     def remove(self) -> None:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
         optimizer when the next accumulator is made."""
         retire(self._handle)
-
-
-def _schedule_count(scheduler: Any) -> int | None:
-    """An LR scheduler's ``last_epoch`` (Accelerate's wrapper: the wrapped one's), or None."""
-    count = getattr(getattr(scheduler, "scheduler", scheduler), "last_epoch", None)
-    return count if type(count) is int else None
 
 
 def exact_grads(sync: Any) -> bool:

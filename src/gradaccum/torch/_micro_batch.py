@@ -15,6 +15,7 @@ import torch
 
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
+from gradaccum.torch._guards import Guard
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import check_loss, check_total
@@ -110,13 +111,14 @@ class MicroBatch:
 
 
 @contextmanager
-def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync,
+def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync, guard: Guard,
                commit: Callable[[Window], bool]) -> Iterator[MicroBatch]:
     """One micro-batch of ``window`` fed by the block's ``mb.backward`` calls.
 
     The micro-batch is weighed when the block opens (its count ``n``, checked; ``summed``: the
     losses are sum-reduced), and each loss is backpropagated from its weight through
-    ``precision``. When the block ends the :class:`MicroBatch` closes (also on error); without an
+    ``precision``. While the block runs ``guard.in_block`` is set (an ``optimizer.step()`` there
+    is refused). When the block ends the :class:`MicroBatch` closes (also on error); without an
     error, ``commit(window after the block)`` (the accumulator's) returns whether the window
     stepped (:attr:`MicroBatch.stepped`).
     """
@@ -136,9 +138,11 @@ def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync:
         return factor
 
     mb = MicroBatch(run, weigh)
+    guard.in_block = True  # an optimizer.step() in the block is refused, at any micro-step
     try:
         yield mb
     finally:
         mb.closed = True
+        guard.in_block = False
     mb.stepped = commit(pending._replace(losses=pending.losses + tuple(mb.parts),
                                          terms=add_terms(pending.terms, fed)))

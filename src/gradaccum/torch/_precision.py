@@ -117,23 +117,35 @@ class Precision:
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}: pass "
                             "skip_nonfinite=True or False")
-        buffers = None if accum_dtype is None else AccumBuffers(params, _check_accum_dtype(accum_dtype))
-        if buffers:
-            wrapper = _distributed_wrapper(model, params)
-            if wrapper is not None and wrapper != "DistributedDataParallel":
-                raise ValueError(
-                    f"accum_dtype={accum_dtype} is not supported under {wrapper}: FSDP already "
-                    "accumulates in wide precision; pass fully_shard(..., mp_policy="
-                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), "
-                    "whose unsharded gradients sum in float32 across no-sync micro-batches and are "
-                    "reduce-scattered in float32 (docs/PRECISION.md)")
+        self._accum_dtype = None if accum_dtype is None else _check_accum_dtype(accum_dtype)
         self.optimizer = optimizer
         self.scaler = scaler
         self._scaler = active_scaler(scaler)  # read once: the per-micro-step path stays a branch
         self._unscaled = False  # unscale_ ran for this window, update() not yet
         self.skip_nonfinite = skip_nonfinite
-        self.buffers = buffers if buffers else None
         self.stepped_before_error = False  # step() raised after the optimizer had stepped
+        self.adopt(params, model)
+
+    def adopt(self, params: Sequence[torch.Tensor], model: Any = None) -> None:
+        """Take ``params`` as the accumulator's parameters: at construction, and when its optimizer
+        gained a parameter group (before a window's first micro-batch, no wide gradient held).
+
+        Raises:
+            ValueError: narrower parameters under FSDP with ``accum_dtype`` (see the class);
+                nothing has changed then.
+        """
+        dtype = self._accum_dtype
+        buffers = None if dtype is None else AccumBuffers(params, dtype)
+        if buffers:
+            wrapper = _distributed_wrapper(model, params)
+            if wrapper is not None and wrapper != "DistributedDataParallel":
+                raise ValueError(
+                    f"accum_dtype={dtype} is not supported under {wrapper}: FSDP already "
+                    "accumulates in wide precision; pass fully_shard(..., mp_policy="
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), "
+                    "whose unsharded gradients sum in float32 across no-sync micro-batches and are "
+                    "reduce-scattered in float32 (docs/PRECISION.md)")
+        self.buffers = buffers if buffers else None
         # Backward passes weighted by a count (n_i, hundreds of tokens) can overflow a GradScaler's
         # fp16 range or float16 gradients: there they are kept at a mean's scale (core.window).
         self.overflow_prone = self._scaler is not None or any(p.dtype == torch.float16 for p in params)

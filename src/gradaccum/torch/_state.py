@@ -17,6 +17,7 @@ import torch
 from gradaccum.core.checkpoint import FORMAT_VERSION, check_state_record, nonneg_finite, param_signature
 from gradaccum.core.schedule import Schedule
 from gradaccum.core.window import Window
+from gradaccum.torch._validate import MAX_EXACT_ITEMS
 from gradaccum.torch._window_loss import weighted_sum
 
 __all__ = ["FORMAT_VERSION", "check_size", "check_state", "clone_scalar", "pack_state", "restore_grads",
@@ -45,7 +46,7 @@ def pack_state(window: Window, steps: Any, counters: dict[str, int], window_loss
                    "summed": window.summed, "basis": clone_scalar(window.basis),
                    "terms": [[clone_scalar(t.total), clone_scalar(t.items), clone_scalar(t.stray), t.blocks]
                              for t in window.terms],
-                   "opened_at": window.opened_at},
+                   "opened_at": window.opened_at, "resized": window.opened_at is None},
         **counters,
         "loss_sum": clone_scalar(weighted_sum(window.losses)),
         "window_loss": clone_scalar(window_loss),
@@ -86,6 +87,7 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
              for i, slot in enumerate(window.terms)
              for part, value in (("total", slot.total), ("items", slot.items), ("stray", slot.stray))]
     _check_scale(saved.get("scale"))
+    _check_items(saved["items"])
     for name, value, count in (("state['window']['items']", saved["items"], True),
                                ("state['window']['scale']", saved.get("scale"), True),
                                *terms,
@@ -100,26 +102,60 @@ def check_state(state: Any, steps: Any, params: Sequence[torch.Tensor]) -> Windo
     return window
 
 
-def check_size(window: Window, schedule: Schedule) -> None:
-    """A saved window's size is the one ``schedule`` gave when it opened (else the window would
-    never complete, or complete early). A window keeps its size to its boundary: the count
-    checked is the one it opened at, not the saved counters (an epoch schedule's window
-    carried into the next epoch). A resized window (``resize_window``, AutoBatch), or one
-    saved before the count was recorded (gradaccum 0.3.0 and older), is taken as saved.
+def check_size(window: Window, schedule: Schedule, state: dict[str, Any]) -> None:
+    """A saved window's size is one :meth:`Accumulator.state_dict` can have written (else the
+    window would never complete, or complete early): the one ``schedule`` gave when it opened
+    (``opened_at``: a window keeps its size to its boundary, so the count checked is the one it
+    opened at, not the saved counters: an epoch schedule's window carried into the next epoch),
+    or one ``resize_window`` gave (``resized``: AutoBatch; taken as saved). A state saved before
+    the count was recorded (gradaccum 0.3.0 and older: no ``opened_at``) holds the size the
+    schedule gives at its saved count (an epoch schedule: at that epoch or an earlier one).
 
     Raises:
+        TypeError: ``state['window']['resized']`` is not a bool.
         ValueError: naming the saved size, the count and what the schedule gives there.
     """
+    saved = state["window"]
+    resized = saved.get("resized", False)
+    if not isinstance(resized, bool):
+        raise TypeError(f"state['window']['resized'] must be a bool, got {resized!r}")
     at = window.opened_at
-    if at is None:
+    by_epoch = schedule.by == "epoch"
+    unit = "epoch" if by_epoch else "optimizer step"
+    if at is not None:
+        want = schedule(at)
+        if window.size != want:
+            raise ValueError(f"state['window']['size'] is {window.size}, but steps="
+                             f"{schedule.describe()!r} gives {want} at {unit} {at}, where "
+                             f"the window opened (state['window']['opened_at']): {_UNWRITTEN}")
         return
-    want = schedule(at)
-    if window.size != want:
-        count = "epoch" if schedule.by == "epoch" else "optimizer step"
-        raise ValueError(f"state['window']['size'] is {window.size}, but steps="
-                         f"{schedule.describe()!r} gives {want} at {count} {at}, where "
-                         "the window opened (state['window']['opened_at']): not a state this "
-                         "accumulator wrote; resume from an unedited Accumulator.state_dict()")
+    if resized:
+        return
+    if "opened_at" in saved:  # this version writes None only beside resized=True
+        raise ValueError(f"state['window']['size'] is {window.size} with state['window']['opened_at'] "
+                         f"None and no resize recorded (state['window']['resized']): {_UNWRITTEN}")
+    count = state["epoch"] if by_epoch else state["optimizer_steps"]
+    if window.size not in _sizes_up_to(schedule, count, by_epoch):
+        raise ValueError(f"state['window']['size'] is {window.size}, but steps={schedule.describe()!r} "
+                         f"gives {schedule(count)} at {unit} {count}, the state's count (a state "
+                         f"without state['window']['opened_at'], as gradaccum 0.3.0 wrote it): "
+                         f"{_UNWRITTEN}")
+
+
+_UNWRITTEN = ("not a state this accumulator wrote; resume from an unedited Accumulator.state_dict() (one "
+              "saved at a boundary, micro_step == 0, loads whatever its window held)")
+_EPOCHS_SCANNED = 10_000  # a callable epoch schedule: the epochs looked back over
+
+
+def _sizes_up_to(schedule: Schedule, count: int, by_epoch: bool) -> set[int]:
+    """The sizes a 0.3.0 window saved at ``count`` can have: the schedule's at ``count``; by epoch,
+    also at an earlier epoch (a window carried over by ``set_epoch``)."""
+    if not by_epoch:
+        return {schedule(count)}
+    table = schedule.table()
+    if table is not None:
+        return {size for start, size in zip(*table, strict=True) if start <= count}
+    return {schedule(e) for e in range(count, max(-1, count - _EPOCHS_SCANNED), -1)}
 
 
 def _check_scale(scale: Any) -> None:
@@ -128,6 +164,16 @@ def _check_scale(scale: Any) -> None:
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta and \
             scale.layout == torch.strided and not scale.dtype.is_complex and not float(scale) > 0:
         raise ValueError(f"state['window']['scale'] must be > 0, got {float(scale)}")
+
+
+def _check_items(items: Any) -> None:
+    """A window's item total is at most 2**53: a feed refuses a larger one (``check_total``),
+    beyond which the normalization would round (a device tensor's value is read here once)."""
+    value = items.item() if isinstance(items, torch.Tensor) and items.numel() == 1 and not items.is_meta \
+        and items.layout == torch.strided and not items.dtype.is_complex else items
+    if isinstance(value, Real) and not isinstance(value, bool) and float(value) > MAX_EXACT_ITEMS:
+        raise ValueError(f"state['window']['items'] is {value!r}, beyond 2**53: no feed accepts a window "
+                         f"total above it; {_UNWRITTEN}")
 
 
 def _check_scalar(name: str, value: Any, count: bool) -> None:

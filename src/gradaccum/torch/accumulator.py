@@ -40,6 +40,7 @@ from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
 from gradaccum.torch._hooks import HookList
 from gradaccum.torch._micro_batch import MicroBatch, feed_block
+from gradaccum.torch._param_groups import optimizer_params, param_count
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._saves import SaveWatch
 from gradaccum.torch._state import check_size, check_state, pack_state, restore_grads, restore_window
@@ -177,7 +178,7 @@ class Accumulator:
         self.schedule: Schedule = as_schedule(steps)
         check_parts(optimizer, model, scheduler, scaler)
         self.clip_norm = check_optional_positive_float("clip_norm", clip_norm)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_params(optimizer)  # a group added later is taken in by _take_groups
         self._precision = Precision(optimizer, params, scaler=scaler, accum_dtype=accum_dtype,
                                     skip_nonfinite=skip_nonfinite, model=model)
         self._sync: GradSync = make_sync(model, sync)
@@ -376,7 +377,7 @@ class Accumulator:
         try:
             window = self._window
             self._before_feed(window)
-            with feed_block(window, n, reduction == "sum", self._precision, self._sync,
+            with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
                             self._commit) as mb:
                 self._in_block = threading.get_ident()
                 try:
@@ -516,7 +517,8 @@ class Accumulator:
         The window resumes at the size it was saved with (the one it opened with: a window
         carried into a new epoch by :meth:`set_epoch`, or sized by :meth:`resize_window`, keeps
         it); the next window reads the schedule. Every state :meth:`state_dict` writes loads
-        into an accumulator built the same way.
+        into an accumulator built the same way. Parameter groups the optimizer gained since the
+        accumulator was built (progressive unfreezing, added again on resume) are taken in first.
 
         Raises:
             TypeError, ValueError: a field is missing, of the wrong type or out of range (the
@@ -525,8 +527,11 @@ class Accumulator:
             RuntimeError: another live accumulator holds a partial window over these parameters
                 (loading would overwrite its gradients); nothing is changed.
         """
-        window = check_state(state, self.schedule.describe(), self._params)
-        check_size(window, self.schedule)
+        params = optimizer_params(self.optimizer)  # a group added since is taken in with the state
+        window = check_state(state, self.schedule.describe(), params)
+        check_size(window, self.schedule, state)
+        if len(params) != len(self._params):
+            self._take_groups()  # the state's window replaces this one, gradients and all
         self._precision.check_state(state.get("accum"))
         # Loading sets the shared .grad (to None for an empty window): never under another's window.
         self._holders.refuse_overlap("load a partial window" if not window.empty else
@@ -541,6 +546,7 @@ class Accumulator:
         self._window = restore_window(state, window)
         self._sync.prepare(self._window.next_is_last)
         self._holders.adopt()
+        self._guard.scheduled()  # the learning rates (a scheduler's state loaded beside) are read anew
         self._guard.resume(self._window.micro_step)
 
     def register_boundary_hook(self, hook: Callable[[Any], None]) -> RemovableHandle:
@@ -640,8 +646,33 @@ class Accumulator:
         if window.micro_step:
             self._guard.check(window.micro_step, window.size)
         else:
+            if param_count(self.optimizer) != len(self._params):
+                self._take_groups()
             self._holders.check_first()
             self._guard.check_first()  # stale gradients, a scheduler stepped outside
+
+    def _take_groups(self) -> None:
+        """The optimizer gained (or lost) parameter groups since its parameters were taken
+        (``add_param_group``: progressive unfreezing): before the window's first micro-batch,
+        every part that holds the parameters takes the new list, as a new accumulator would
+        (torch/_param_groups.py).
+
+        Raises:
+            RuntimeError: under ``backward_pipeline`` (its stages were checked against the
+                parameters at its first call); nothing has changed.
+            ValueError: as the constructor, for the new parameters; nothing has changed.
+        """
+        if isinstance(self._sync, PipelineSync):
+            raise RuntimeError("optimizer.add_param_group() after backward_pipeline's first call: the "
+                               "pipeline's stages were matched to the optimizer's parameters then; "
+                               "build a new Accumulator over the optimizer after adding the group (at "
+                               "a boundary). Nothing has changed")
+        params = optimizer_params(self.optimizer)
+        self._precision.adopt(params, self.model)  # raises first, if the new parameters cannot be taken
+        self._params = params
+        self._holders = Holders(self, params)
+        self._guard.adopt(params)
+        self._cached = CachedBackward(params, self._precision, self._sync, self.model)
 
     def _commit(self, window: Window) -> bool:
         self._window = window

@@ -39,8 +39,9 @@ sharded ones) are averaged here, once per synced call.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ from gradaccum.torch._validate import check_total
 from gradaccum.torch._weights import loss_seed, window_term
 from gradaccum.torch.cached.grads import GradsBefore, LossGrads, loss_params, put_back
 from gradaccum.torch.cached.loss_ranks import ranks_running_loss
-from gradaccum.torch.cached.replay import NormStats, RngStates, untracked_batchnorm
+from gradaccum.torch.cached.replay import NormStats, RngStates, params_read, untracked_batchnorm
 from gradaccum.torch.cached.reps import Layout, check_second, expected_rows, gradient_slices, representations
 from gradaccum.torch.distributed.base import GradSync, agree_on_count
 from gradaccum.torch.distributed.ddp import arm_backward, needs_hook_of
@@ -202,6 +203,7 @@ class CachedBackward:
                      ) -> None:
         sync, ddp, last = self.sync, self.ddp, len(items) - 1
         armed = False
+        unread: set[int] = set()  # parameters encode was seen not to read (params_read)
         for i, chunk in enumerate(items):
             if i == last:
                 armed = sync.prepare(window.next_is_last)
@@ -212,7 +214,8 @@ class CachedBackward:
                 outs = check_second(layout, i, encode(chunk))
             floats = [t for t, floating in zip(outs, layout.floating, strict=True) if floating]
             self._check_norms(floats, norms)
-            pairs = self._roots(layout, i, floats, slices[i], loss_grads.params)
+            pairs = self._roots(layout, i, floats, slices[i], loss_grads.params, unread,
+                                partial(params_read, partial(encode, chunk), states[i], self.model))
             self._began = True  # from here on, the call adds into the window's gradients
             if i == last:
                 loss_grads.add()
@@ -227,13 +230,17 @@ class CachedBackward:
             self._average_outside()
 
     def _roots(self, layout: Layout, chunk: int, floats: list[torch.Tensor], grads: list[Any],
-               from_loss: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               from_loss: list[torch.Tensor], unread: set[int],
+               reads: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The outputs of ``chunk`` to backpropagate, each with its slice of the gradient.
 
-        An output that does not require grad (every parameter upstream frozen: a frozen tower)
-        passes nothing back, as in one backward of the whole batch. When none of the outputs the
-        loss used requires grad while the optimizer trains parameters ``loss_fn`` does not use,
-        ``encode`` detached them or ran under ``torch.no_grad()``: that is refused.
+        An output that does not require grad (a frozen tower) passes nothing back, as in one
+        backward of the whole batch. When none the loss used does while the optimizer trains
+        parameters ``loss_fn`` does not use, ``reads`` (:func:`params_read`) runs the chunk once
+        more: if ``encode`` reads any of them, it detached its outputs or ran under no_grad
+        (refused); else no loss reaches them, and they get no gradient, as in a full batch
+        (``unread`` keeps them for the call's other chunks).
 
         Raises:
             ValueError: as above (raised before this chunk's backward).
@@ -243,15 +250,17 @@ class CachedBackward:
         pairs = [(t, g) for _, t, g in needed if t.requires_grad]
         if needed and not pairs:
             used = {id(p) for p in from_loss}
-            trainable = [p for p in self.params if p.requires_grad and id(p) not in used]
-            if trainable:
+            trainable = [p for p in self.params if p.requires_grad and id(p) not in used | unread]
+            read = reads(trainable) if trainable else []
+            if read:
                 raise ValueError(
                     f"no output of encode that loss_fn uses requires grad in the second pass for chunk "
-                    f"{chunk} (outputs {[k for k, _, _ in needed]}), while the optimizer trains "
-                    f"{len(trainable)} parameter(s) that loss_fn does not use: encode detached its "
-                    "outputs or ran under torch.no_grad() (floating outputs carry the gradient; return "
-                    "labels as integer tensors). A frozen encoder (requires_grad_(False)) is accepted: "
-                    "its outputs pass no gradient back, as in one backward of the whole batch")
+                    f"{chunk} (outputs {[k for k, _, _ in needed]}), yet encode reads {len(read)} "
+                    "trainable parameter(s) that loss_fn does not use: encode detached its outputs or "
+                    "ran under torch.no_grad() (floating outputs carry the gradient; return labels as "
+                    "integer tensors). A frozen encoder (requires_grad_(False)) is accepted: its "
+                    "outputs pass no gradient back, as in one backward of the whole batch")
+            unread.update(id(p) for p in trainable)
         return pairs
 
     def _loss_roots(self, ddp: nn.Module, from_loss: list[torch.Tensor]

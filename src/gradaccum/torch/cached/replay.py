@@ -6,19 +6,26 @@ the CPU generator and every initialized CUDA device's. And a forward in training
 state that a single forward of the batch would change once: BatchNorm's running statistics (and
 gradaccum's window BatchNorm's pending moments). :class:`NormStats` saves them before the first
 pass and puts them back after it, so that only the second pass's update stays.
+
+:func:`params_read` replays one chunk's forward once more to see which parameters it reads: for
+the one case the outputs cannot tell (none requires grad while parameters the loss does not use
+train), whether ``encode`` detached what it computed from them, or never used them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from gradaccum.torch._grads import graph_nodes
 
-__all__ = ["NormStats", "RngStates", "untracked_batchnorm"]
+__all__ = ["NormStats", "RngStates", "params_read", "untracked_batchnorm"]
 
 _RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -98,3 +105,38 @@ def untracked_batchnorm(outputs: list[torch.Tensor], stats: NormStats) -> bool:
             if isinstance(running, torch.Tensor) and not stats.covers(running):
                 return True
     return False
+
+
+class _Reads(TorchFunctionMode):
+    """Notes which of some tensors any torch function is called with."""
+
+    def __init__(self, watched: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.watched = {id(t): t for t in watched}
+        self.read: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if id(leaf) in self.watched:
+                self.read[id(leaf)] = leaf
+        return func(*args, **kwargs)
+
+
+def params_read(forward: Callable[[], Any], rng: RngStates, model: nn.Module | None,
+                params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``params`` that ``forward()`` passes to a torch function (a module's
+    ``F.linear(x, self.weight, ...)``, with or without grad), found by running it once more
+    under ``torch.no_grad()``: with ``rng`` replayed, and the random state and ``model``'s
+    normalization statistics put back after it. For a refusal's diagnosis only (one forward of
+    one chunk more)."""
+    now, norms = RngStates.capture(), NormStats(model)
+    reads = _Reads(params)
+    try:
+        rng.restore()
+        with torch.no_grad(), reads:
+            forward()
+    finally:
+        norms.restore()
+        now.restore()
+    return list(reads.read.values())
