@@ -31,7 +31,8 @@ def assert_unchanged(model, acc, before):
 
 
 def feed(model, acc, batch, n=True):
-    return acc.backward(lm_loss(model(**batch)["logits"], batch["labels"]), n_items=count(batch) if n else None)
+    loss = lm_loss(model(**batch)["logits"], batch["labels"])
+    return acc.backward(loss, n_items=count(batch) if n else None)
 
 
 def test_a_model_without_routers_and_no_routers_argument_raises():
@@ -58,7 +59,7 @@ def test_a_window_that_differs_from_the_one_prepared_raises_before_its_backward(
     model, acc, balance = setup(mode=mode)
     before = snapshot(model)
     other = batches(7)
-    with pytest.raises(ValueError, match="differs from the one prepared|otherwise than the window"):
+    with pytest.raises(ValueError, match=r"differs from the one prepared|otherwise than the window"):
         for window in balance.windows(batches(0), acc, n_items=count):
             for batch in window:
                 feed(model, acc, batch)
@@ -74,7 +75,7 @@ def test_another_batch_in_a_global_window_raises_before_its_backward():
     before = snapshot(model)
     other = batches(7)
     with pytest.raises(ValueError, match="routed otherwise than the window LoadBalance prepared"):
-        for window in balance.windows(batches(0), acc, n_items=count):
+        for _ in balance.windows(batches(0), acc, n_items=count):
             feed(model, acc, other[0])
     assert_unchanged(model, acc, before)
 
@@ -87,7 +88,7 @@ def test_backward_outside_windows_raises():
             feed(model, acc, batch)
     assert acc.optimizer_steps == 1
     before = snapshot(model)
-    with pytest.raises(RuntimeError, match="outside balance.windows"):
+    with pytest.raises(RuntimeError, match=r"outside balance\.windows"):
         feed(model, acc, data[0])
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model), strict=True))
