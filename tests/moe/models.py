@@ -252,11 +252,13 @@ def outputs_loss(out: Any) -> torch.Tensor:
 def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mode: str, top_k: int,
               per_layer: bool = False, coef: float = COEF,
               after: Callable[[nn.Module, torch.Tensor], None] | None = None, whole: bool = False,
-              items_weighted: bool = True) -> dict[str, Any]:
+              items_weighted: bool = True, ranks: int = 1) -> dict[str, Any]:
     """One process, by hand: each window's loss written out (the LM loss over every token of the
     window plus the balancing loss of ``mode``), one backward per window (``"global"``) or per
     micro-batch (the one-pass modes), clip, step, schedule. The LM loss is the mean over the
-    window's tokens (``items_weighted``) or the mean of the micro-batches' means."""
+    window's tokens (``items_weighted``) or the mean of the micro-batches' means. With ``ranks``,
+    a window's micro-batches are the ranks' in rank order (rank r's j-th at ``r * k + j``), and
+    "rolling" counts micro-batch j of every rank before their backward (as the ranks do)."""
     model = copy.deepcopy(model)
     routers = routers_of(model)
     opt, sched = make_opt(model)
@@ -284,24 +286,29 @@ def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mo
             loss.backward()
             load = counts
         else:
-            cum = None
+            cum: Any = 0.0
             cum_tokens = 0.0
-            for b in micro:
-                with Logits(routers) as rec:
-                    out = model(**b)
-                logits = out["logits"] if isinstance(out, dict) else out.logits
-                counts, sums = stats(rec.seen, b["attention_mask"], top_k)
-                own = float(b["attention_mask"].sum())
-                if mode == "rolling":
-                    cum = counts if cum is None else cum + counts
-                    cum_tokens += own
-                    aux = balance_loss(cum, sums, cum_tokens, tokens, top_k, per_layer, coef)
-                else:  # micro_batch: its own loss, times its share of the window's tokens
-                    aux = balance_loss(counts, sums, own, own, top_k, per_layer, coef) * (own / tokens)
-                lm = (lm_loss(logits, b["labels"], "sum") / items if items_weighted
-                      else lm_loss(logits, b["labels"]) / len(micro))
-                (lm + aux).backward()
-                load = counts if load.numel() == 0 else load + counts
+            k = len(micro) // ranks
+            for j in range(k):  # micro-batch j of every rank
+                step = [micro[r * k + j] for r in range(ranks)]
+                outs = []
+                for b in step:
+                    with Logits(routers) as rec:
+                        out = model(**b)
+                    logits = out["logits"] if isinstance(out, dict) else out.logits
+                    outs.append((b, logits, *stats(rec.seen, b["attention_mask"], top_k)))
+                cum = cum + sum(o[2] for o in outs)
+                cum_tokens += sum(float(b["attention_mask"].sum()) for b in step)
+                for b, logits, counts, sums in outs:
+                    own = float(b["attention_mask"].sum())
+                    if mode == "rolling":
+                        aux = balance_loss(cum, sums, cum_tokens, tokens, top_k, per_layer, coef)
+                    else:  # micro_batch: its own loss, times its share of the window's tokens
+                        aux = balance_loss(counts, sums, own, own, top_k, per_layer, coef) * (own / tokens)
+                    lm = (lm_loss(logits, b["labels"], "sum") / items if items_weighted
+                          else lm_loss(logits, b["labels"]) / len(micro))
+                    (lm + aux).backward()
+                    load = counts if load.numel() == 0 else load + counts
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         sched.step()
