@@ -157,3 +157,34 @@ def test_balance_loss_written_out_matches_hugging_face_on_one_batch(qwen, data):
     ours = balance_loss(counts, sums, tokens, tokens, 2, per_layer=False, coef=1.0)
     theirs = load_balancing_loss_func(tuple(rec.seen), 8, 2, whole["attention_mask"])
     torch.testing.assert_close(ours, theirs.to(torch.float64), rtol=1e-6, atol=0)  # theirs: float32
+
+
+def _loop(model, data, feed, **acc_kw):
+    import gradaccum
+    from tests.moe.models import count, lm_loss, make_opt
+
+    opt, sched = make_opt(model)
+    acc = gradaccum.Accumulator(opt, 3, clip_norm=CLIP, scheduler=sched, **acc_kw)
+    balance = gradaccum.moe.LoadBalance(model, routers=model.routers, top_k=2, coef=0.5)
+    for window in balance.windows([b for micro in data for b in micro], acc, n_items=count):
+        for batch in window:
+            feed(acc, lm_loss(model(**batch)["logits"], batch["labels"]), count(batch))
+    return acc, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_grad_scaler_and_micro_batch_blocks_carry_the_same_balancing_gradient(data):
+    # The balancing gradient is weighted by the backward's seed times the scaler's scale, which
+    # the boundary unscales; a micro_batch() block's backward gets it as acc.backward does.
+    model = tiny_moe(seed=4)
+    ref = reference(model, data, "global", top_k=2, whole=True)
+
+    def block(acc, loss, n):
+        with acc.micro_batch(n) as mb:
+            mb.backward(loss)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for feed, kw in ((lambda acc, loss, n: acc.backward(loss, n_items=n), {"scaler": scaler}),
+                     (block, {})):
+        acc, params = _loop(copy.deepcopy(model), data, feed, **kw)
+        assert acc.optimizer_steps == WINDOWS
+        assert diff(params, ref["params"]) < TOL

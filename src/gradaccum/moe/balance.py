@@ -339,7 +339,7 @@ class LoadBalance:
             weight = seed * window.items if feed.reduction == "sum" else seed * window.items / n
         scaler = self._acc.scaler if self._acc is not None else None
         if scaler is not None and scaler.is_enabled():
-            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float32))
+            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float64))
         return weight
 
     def _check_items(self, window: PreparedWindow) -> None:
