@@ -188,3 +188,22 @@ def test_a_grad_scaler_and_micro_batch_blocks_carry_the_same_balancing_gradient(
         acc, params = _loop(copy.deepcopy(model), data, feed, **kw)
         assert acc.optimizer_steps == WINDOWS
         assert diff(params, ref["params"]) < TOL
+
+
+def test_dropout_before_the_routers_routes_as_the_pre_pass_counted(data):
+    # The pre-pass draws the dropout masks the training forward draws (the RNG replayed, as
+    # backward_cached does, even when the loop draws numbers of its own between micro-batches):
+    # otherwise the routes differ and the window is refused.
+    import gradaccum
+    from tests.moe.models import count, lm_loss
+
+    model = tiny_moe(seed=5)
+    model.embed.register_forward_hook(lambda m, i, out: torch.nn.functional.dropout(out, 0.5, training=True))
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    balance = gradaccum.moe.LoadBalance(model, routers=model.routers, top_k=2, coef=0.5)
+    torch.manual_seed(0)
+    for window in balance.windows([b for micro in data for b in micro], acc, n_items=count):
+        for batch in window:
+            acc.backward(lm_loss(model(**batch)["logits"], batch["labels"]), n_items=count(batch))
+            torch.rand(5)  # the loop's own random numbers (an augmentation, a sampler)
+    assert acc.optimizer_steps == WINDOWS
