@@ -49,6 +49,29 @@ def mixtral(seed: int = 0, wide: bool = True) -> nn.Module:
     return _decisive(MixtralForCausalLM(config).double(), wide)
 
 
+def qwen2_moe(seed: int = 0) -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                            shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=COEF, decoder_sparse_step=1, max_position_embeddings=64,
+                            attn_implementation="sdpa", experts_implementation="eager")
+    return _decisive(Qwen2MoeForCausalLM(config).double())
+
+
+def olmoe(seed: int = 0) -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = OlmoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=COEF, max_position_embeddings=64, eos_token_id=1,
+                         pad_token_id=1, attn_implementation="sdpa", experts_implementation="eager")
+    return _decisive(OlmoeForCausalLM(config).double())
+
+
 def _decisive(model: nn.Module, wide: bool = True) -> nn.Module:
     """Router weights drawn wide, so that no two experts tie for a token (a tie would make the
     top-k choice depend on rounding), the routers computing in float64 (``wide``), and the model
@@ -318,8 +341,8 @@ def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mo
 
 
 def train(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], steps: int, items: bool = True,
-          after_window: Callable[[nn.Module, torch.Tensor], None] | None = None, **balance_kw: Any
-          ) -> dict[str, Any]:
+          after_window: Callable[[nn.Module, torch.Tensor], None] | None = None, hf_loss: bool = False,
+          **balance_kw: Any) -> dict[str, Any]:
     """The library's loop: ``LoadBalance`` over ``acc.backward`` of each micro-batch's own loss."""
     model = copy.deepcopy(model)
     opt, sched = make_opt(model)
@@ -338,7 +361,8 @@ def train(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], steps:
             # The LM loss in float64 from the logits: Hugging Face's own (outputs.loss) is
             # computed in float32 (ForCausalLMLoss upcasts to float32 only), 1e-8 off.
             out = model(**batch)
-            loss = lm_loss(out["logits"] if isinstance(out, dict) else out.logits, batch["labels"])
+            loss = (out.loss if hf_loss else
+                    lm_loss(out["logits"] if isinstance(out, dict) else out.logits, batch["labels"]))
             acc.backward(loss, n_items=count(batch) if items else None)
     return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms, "acc": acc,
             "balance": balance, "model": model}

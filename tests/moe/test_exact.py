@@ -47,6 +47,7 @@ def qwen_global(qwen, data):
 
 
 def assert_exact(got, ref):
+    print(f"max parameter difference {diff(got['params'], ref['params']):.1e}")
     assert min(ref["norms"]) > CLIP  # the clip acts on every window
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-12, atol=0)
     assert diff(got["params"], ref["params"]) < TOL
@@ -207,3 +208,37 @@ def test_dropout_before_the_routers_routes_as_the_pre_pass_counted(data):
             acc.backward(lm_loss(model(**batch)["logits"], batch["labels"]), n_items=count(batch))
             torch.rand(5)  # the loop's own random numbers (an augmentation, a sampler)
     assert acc.optimizer_steps == WINDOWS
+
+
+@pytest.mark.parametrize("make", ["qwen2_moe", "olmoe"])
+def test_qwen2_moe_and_olmoe_routers_are_found_and_trained_exactly(data, make):
+    from tests.moe import models
+
+    model = getattr(models, make)()
+    got = train(model, data, steps=3, mode="global")
+    balance = got["balance"]
+    assert [id(r) for r in balance.routers] == [id(r) for r in routers_of(got["model"])]
+    assert (balance.top_k, balance.coef, tuple(balance.load.shape)) == (2, 0.5, (2, 4))
+    assert_exact(got, reference(model, data, "global", top_k=2))
+
+
+def test_the_hugging_face_recipe_as_written_is_exact_to_float32_rounding(data):
+    # Unpatched Qwen3-MoE (float32 routing, norms, attention softmax) and its own outputs.loss
+    # (float32 LM loss): the window's update to the float32 steps' rounding, not 1e-12.
+    model = qwen3_moe(wide=False)
+    got = train(model, data, steps=3, mode="global", hf_loss=True)
+    ref = reference(model, data, "global", top_k=2)
+    apart = diff(got["params"], ref["params"])
+    print(f"qwen3-moe as shipped (float32 steps inside): {apart:.1e} from the whole window")
+    assert apart < 1e-6
+
+
+def test_the_pre_pass_stops_after_the_last_router(data):
+    # The head (and the loss) of the pre-pass forward are not run: only the routers' counts are
+    # needed.
+    model = tiny_moe(seed=6)
+    heads = []
+    model.head.register_forward_hook(lambda *a: heads.append(torch.is_grad_enabled()))
+    got = train(model, data, steps=3, mode="global", routers="own", top_k=2, coef=0.5)
+    assert got["acc"].optimizer_steps == WINDOWS
+    assert heads == [True] * (3 * WINDOWS)  # the training forwards only
