@@ -148,3 +148,12 @@ def test_the_one_pass_modes_need_a_mask():
     loader = [b["input_ids"] for b in batches(0)]
     with pytest.raises(ValueError, match="needs each batch's token mask"):
         next(iter(balance.windows(loader, acc, forward=lambda ids: model(ids))))
+
+
+def test_counts_given_to_backward_that_differ_from_the_count_function_raise_at_the_window_end():
+    model, acc, balance = setup()
+    with pytest.raises(ValueError, match=r"n_items given to acc\.backward sum to"):
+        for window in balance.windows(batches(0), acc, n_items=count):
+            for batch in window:
+                loss = lm_loss(model(**batch)["logits"], batch["labels"])
+                acc.backward(loss, n_items=count(batch) + 1)
