@@ -80,6 +80,20 @@ def test_another_batch_in_a_global_window_raises_before_its_backward():
     assert_unchanged(model, acc, before)
 
 
+def test_a_training_forward_before_windows_raises_and_evaluation_does_not():
+    model, acc, balance = setup()
+    batch = batches(0)[0]
+    with pytest.raises(RuntimeError, match=r"outside balance\.windows"):
+        model(**batch)
+    with torch.no_grad():
+        model(**batch)
+    model.eval()
+    model(**batch)
+    balance.remove()
+    model.train()
+    model(**batch)
+
+
 def test_backward_outside_windows_raises():
     model, acc, balance = setup()
     data = batches(0)

@@ -267,7 +267,13 @@ class LoadBalance:
         layer = self._layer[id(module)]
         pre, window = self._pre, self._window
         if pre is None and window is None:
-            return None  # a forward outside windows() (evaluation): nothing to count or add
+            if torch.is_grad_enabled() and module.training:
+                raise RuntimeError(
+                    "a training forward of a model balanced by LoadBalance outside balance.windows(): "
+                    "its balancing gradient would be missing; train inside `for window in "
+                    "balance.windows(loader, acc): for batch in window: acc.backward(...)` (evaluate "
+                    "under torch.no_grad() or model.eval(); balance.remove() takes the hooks off)")
+            return None  # an evaluation forward: nothing to count or add
         logits = logits_of(output, self._found.index, module)
         rows = logits.reshape(-1, logits.shape[-1])
         if self._experts is None:
