@@ -81,7 +81,7 @@ def test_another_batch_in_a_global_window_raises_before_its_backward():
 
 
 def test_a_training_forward_before_windows_raises_and_evaluation_does_not():
-    model, acc, balance = setup()
+    model, _, balance = setup()
     batch = batches(0)[0]
     with pytest.raises(RuntimeError, match=r"outside balance\.windows"):
         model(**batch)
