@@ -87,4 +87,6 @@ if __name__ == "__main__":
         "tiny_micro_batch": lambda r, w: tiny(r, w, "micro_batch"),
         "qwen3_global": lambda r, w: train_ranks(r, w, qwen3_moe, "global"),
         "tiny_fsdp_global": lambda r, w: tiny(r, w, "global", "fsdp"),
+        "tiny_fsdp_rolling": lambda r, w: tiny(r, w, "rolling", "fsdp"),
+        "tiny_fsdp_micro_batch": lambda r, w: tiny(r, w, "micro_batch", "fsdp"),
     }, timeout_s=120.0)

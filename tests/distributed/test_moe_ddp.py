@@ -17,7 +17,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["tiny_global", "tiny_rolling", "tiny_micro_batch", "qwen3_global",
-                                  "tiny_fsdp_global"])
+                                  "tiny_fsdp_global", "tiny_fsdp_rolling", "tiny_fsdp_micro_batch"])
 def test_every_mode_on_two_ranks_equals_one_process(ranks, name):
     results = scenario(ranks, name)
     print(f"{name} on 2 ranks: max parameter difference {max(r['diff'] for r in results):.1e}")
