@@ -1,0 +1,331 @@
+"""Mixture-of-experts under accumulation: gradaccum.moe's three modes against hand loops, on a tiny
+Hugging Face Qwen3-MoE (no download), for docs/MOE.md.
+
+Four parts, one results file:
+
+- ``exactness`` (the "Why" table): float64, 8 experts, top-2, 2 layers, padded sequences, 2 windows
+  of 4 micro-batches, SGD; each loop's largest parameter difference from one process on the whole
+  window with the whole window's balancing loss written out in float64, at two ``coef``.
+- ``cost``: float32, time per window of "global", "rolling" and "micro_batch" against the plain
+  Hugging Face loop by hand (and the two passes by hand), medians of windows run interleaved
+  round by round in one process (the order rotating), after warm-up.
+- ``memory``: the tensor memory a window holds at its peak (the allocator's, through the
+  profiler's memory events on CPU), "global" (its pre-pass included) against the hand loop.
+- ``training``: "global" against "micro_batch", the same initial weights and data, on micro-batches
+  that each hold one domain (:func:`gradaccum.bench.moe.domain_batches`): per window, the load
+  balance (max over mean expert load, each layer, the window's routes) and the language-model loss;
+  at the end, the loss on held-out windows.
+
+    python benchmarks/moe.py --json docs/results/moe.json
+    python benchmarks/moe.py --rounds 5 --train-windows 20   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import gradaccum
+from gradaccum.bench.machine import describe_machine
+from gradaccum.bench.measure import allocator_memory, interleaved
+from gradaccum.bench.moe import (
+    PAD,
+    Batch,
+    domain_batches,
+    hand_loop,
+    padded_batches,
+    rolling_loop,
+    tiny_qwen3_moe,
+    two_pass_loop,
+    window_reference,
+)
+from gradaccum.bench.results_file import write_results
+
+MODES = ("global", "rolling", "micro_batch")
+Loop = Callable[[nn.Module, Sequence[Batch], torch.optim.Optimizer], None]
+
+
+def tokens(batch: Batch) -> torch.Tensor:
+    return gradaccum.count_tokens(batch["labels"], shift=True)
+
+
+class Library:
+    """gradaccum.moe on one model: a ``LoadBalance`` and an ``Accumulator`` of ``steps``, fed one
+    window per call through ``balance.windows`` (the loop of docs/MOE.md)."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, steps: int, mode: str, **kw: Any) -> None:
+        from gradaccum.moe import LoadBalance
+
+        self.model = model
+        self.balance = LoadBalance(model, mode=mode, **kw)
+        self.acc = gradaccum.Accumulator(opt, steps)
+
+    def __call__(self, model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
+        for part in self.balance.windows(window, self.acc, n_items=tokens):
+            for batch in part:
+                self.acc.backward(self.model(**batch).loss, n_items=tokens(batch))
+
+
+def per_microbatch_mean(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
+    """``loss / k`` per micro-batch, Hugging Face's balancing loss inside each."""
+    for b in window:
+        (model(**b, output_router_logits=True).loss / len(window)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_today(steps: int) -> Callable[[nn.Module, torch.optim.Optimizer], Loop]:
+    """gradaccum without gradaccum.moe: ``acc.backward(outputs.loss, n_items=count_tokens(...))``."""
+    def build(model: nn.Module, opt: torch.optim.Optimizer) -> Loop:
+        acc = gradaccum.Accumulator(opt, steps)
+
+        def loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
+            for b in window:
+                acc.backward(model(**b, output_router_logits=True).loss, n_items=tokens(b))
+        return loop
+    return build
+
+
+def exactness(args: argparse.Namespace) -> dict[str, Any]:
+    """Each loop's largest parameter difference from one process on the whole window."""
+    k = 4
+    data = [padded_batches([3, 3, 2, 3], 7, 32, seed=w) for w in range(2)]
+    out: dict[str, Any] = {}
+    for coef in (0.5, 0.01):
+        base = tiny_qwen3_moe(torch.float64, coef=coef)
+
+        def run(build: Callable[[nn.Module, torch.optim.Optimizer], Loop]) -> nn.Module:
+            model = copy.deepcopy(base)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loop = build(model, opt)
+            for window in data:
+                loop(model, window, opt)
+            return model
+
+        ref = run(lambda m, o: window_reference)
+
+        def diff(model: nn.Module) -> float:
+            return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+
+        loops: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Loop]] = {
+            "loss / k": lambda m, o: per_microbatch_mean, "gradaccum today": make_today(k),
+            "rolling by hand": lambda m, o: rolling_loop, "two passes by hand": lambda m, o: two_pass_loop}
+        loops.update({f"gradaccum.moe {mode}": (lambda mode: lambda m, o: Library(m, o, k, mode))(mode)
+                      for mode in MODES})
+        out[str(coef)] = {name: diff(run(build)) for name, build in loops.items()}
+    # Hugging Face's own balancing loss is float32 inside a float64 model: its distance from float64
+    model = tiny_qwen3_moe(torch.float64, coef=0.5)
+    from gradaccum.bench.moe import aux_terms, route_counts, window_aux
+
+    b = data[0][0]
+    with torch.no_grad():
+        o = model(**b, output_router_logits=True)
+        c, r = route_counts(o.router_logits, b["attention_mask"], 8, 2)
+        out["hf_float32_aux"] = abs(float(o.aux_loss) - float(window_aux(c, r, aux_terms(o.router_logits,
+                                                                                         b["attention_mask"]))))
+    return out
+
+
+def cost_model(args: argparse.Namespace) -> nn.Module:
+    return tiny_qwen3_moe(torch.float32, experts=args.experts, hidden=args.hidden, vocab=args.vocab,
+                          layers=args.layers, coef=0.01)
+
+
+def cost_windows(args: argparse.Namespace, n: int) -> list[list[Batch]]:
+    return [padded_batches([args.batch] * args.steps, args.seq, args.vocab, seed=100 + w) for w in range(n)]
+
+
+def contenders(args: argparse.Namespace) -> dict[str, Callable[[Sequence[Batch]], None]]:
+    """Each loop on its own copy of the model and its own SGD: ``window -> None``."""
+    base = cost_model(args)
+    out: dict[str, Callable[[Sequence[Batch]], None]] = {}
+    builders: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Loop]] = {
+        "hand loop": lambda m, o: hand_loop, "two passes by hand": lambda m, o: two_pass_loop}
+    builders.update({mode: (lambda mode: lambda m, o: Library(m, o, args.steps, mode))(mode) for mode in MODES})
+    for name, build in builders.items():
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        loop = build(model, opt)
+        out[name] = (lambda loop, model, opt: lambda w: loop(model, w, opt))(loop, model, opt)
+    return out
+
+
+def cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Time per window, medians of interleaved rounds."""
+    loops = contenders(args)
+    data = cost_windows(args, 4)
+    step = {"i": 0}
+
+    def each(run: Callable[[Sequence[Batch]], None]) -> Callable[[], None]:
+        def call() -> None:
+            run(data[step["i"] % len(data)])
+        return call
+    fns = {name: each(run) for name, run in loops.items()}
+    for _ in range(args.warmup):
+        for fn in fns.values():
+            fn()
+    timings = interleaved(fns, repeats=args.rounds, calls=1, warmup=False)
+    return {name: {"ms_per_window": round(timings.median(name) * 1e3, 2),
+                   "vs_hand_loop": round(timings.ratio(name, "hand loop"), 3)} for name in loops}
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """The peak tensor memory of one window (after one warm-up window each, so that the optimizer
+    and gradients exist), "global" against the hand loop."""
+    loops = contenders(args)
+    data = cost_windows(args, 2)
+    out = {}
+    for name in ("hand loop", "global"):
+        loops[name](data[0])
+        _, mem = allocator_memory(lambda name=name: loops[name](data[1]), torch.device("cpu"))
+        out[name] = {"peak_bytes": mem.peak}
+    out["global"]["vs_hand_loop"] = round(out["global"]["peak_bytes"] / out["hand loop"]["peak_bytes"], 4)
+    return out
+
+
+class Loads:
+    """The routes each gate chose, per layer, counted by forward hooks on Qwen3-MoE's routers,
+    for the window (unmasked: the training data has no padding) and per micro-batch."""
+
+    def __init__(self, model: nn.Module, experts: int) -> None:
+        self.experts, self.now, self.micro = experts, None, []
+        gates = [layer.mlp.gate for layer in model.model.layers]
+        self.counts = torch.zeros(len(gates), experts, dtype=torch.float64)
+        for i, gate in enumerate(gates):
+            gate.register_forward_hook(lambda mod, inp, out, i=i: self._add(i, out[2]))
+        self.recording = False
+
+    def _add(self, layer: int, chosen: torch.Tensor) -> None:
+        if self.recording and torch.is_grad_enabled():  # the training forward, not a pre-pass
+            c = torch.bincount(chosen.reshape(-1), minlength=self.experts).double()
+            self.counts[layer] += c
+            self.micro.append(float(c.max() / c.mean()))
+
+    def take(self) -> tuple[list[float], float]:
+        """Each layer's max over mean load of the window, and the micro-batches' mean of the same."""
+        balance = (self.counts.max(1).values / self.counts.mean(1)).tolist()
+        micro = statistics.fmean(self.micro) if self.micro else float("nan")
+        self.counts.zero_()
+        self.micro = []
+        return balance, micro
+
+
+def heldout_loss(model: nn.Module, windows: Sequence[Sequence[Batch]]) -> float:
+    total = n = 0.0
+    with torch.no_grad():
+        for window in windows:
+            for b in window:
+                out = model(**b)
+                t = float(tokens(b))
+                total, n = total + float(out.loss) * t, n + t
+    return total / n
+
+
+def training(args: argparse.Namespace) -> dict[str, Any]:
+    """"global" against "micro_batch" on domain-structured micro-batches, AdamW, same start."""
+    base = tiny_qwen3_moe(torch.float32, experts=args.experts, hidden=args.hidden, vocab=args.train_vocab,
+                          layers=args.layers, coef=args.train_coef, seed=1)
+    n = args.train_windows * args.steps
+    data = domain_batches(n, args.batch, args.seq, args.train_vocab, args.domains, seed=7)
+    windows = [data[i: i + args.steps] for i in range(0, n, args.steps)]
+    held = domain_batches(8 * args.steps, args.batch, args.seq, args.train_vocab, args.domains, seed=8)
+    held_windows = [held[i: i + args.steps] for i in range(0, len(held), args.steps)]
+    out: dict[str, Any] = {}
+    for mode in ("global", "micro_batch"):
+        torch.manual_seed(0)
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        loop = Library(model, opt, args.steps, mode)
+        loads = Loads(model, args.experts)
+        curve = []
+        for window in windows:
+            loads.recording = True
+            with torch.no_grad():
+                lm = sum(float(model(**b).loss) * float(tokens(b)) for b in window) / sum(
+                    float(tokens(b)) for b in window)
+            loads.take()  # the loss's forward is not the window's training routes
+            loop(model, window, opt)
+            balance, micro = loads.take()
+            curve.append({"loss": round(lm, 4), "balance": [round(x, 3) for x in balance],
+                          "micro_balance": round(micro, 3)})
+        last = curve[-args.tail:]
+        out[mode] = {
+            "heldout_loss": round(heldout_loss(model, held_windows), 4),
+            "tail_loss": round(statistics.fmean(c["loss"] for c in last), 4),
+            "tail_balance": round(statistics.fmean(statistics.fmean(c["balance"]) for c in last), 3),
+            "tail_worst_layer_balance": round(statistics.fmean(max(c["balance"]) for c in last), 3),
+            "tail_micro_balance": round(statistics.fmean(c["micro_balance"] for c in last), 3),
+            "curve": curve,
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="exactness,cost,memory,training")
+    parser.add_argument("--steps", type=int, default=4, help="micro-batches per window")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--train-windows", type=int, default=200)
+    parser.add_argument("--train-vocab", type=int, default=64)
+    parser.add_argument("--train-coef", type=float, default=0.01)
+    parser.add_argument("--domains", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--tail", type=int, default=50, help="the last windows the summary averages")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    machine = describe_machine()
+    for key, value in machine.items():
+        print(f"{key:>14}: {value}")
+    parts = args.parts.split(",")
+    results: dict[str, Any] = {"source": "python benchmarks/moe.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"), "machine": machine}
+    if "exactness" in parts:
+        results["exactness"] = exactness(args)
+        print("\n| loop | coef 0.5 | coef 0.01 |\n|---|---|---|")
+        for name in results["exactness"]["0.5"]:
+            print(f"| {name} | {results['exactness']['0.5'][name]:.1e} | {results['exactness']['0.01'][name]:.1e} |")
+        print(f"(Hugging Face's float32 balancing loss, from float64: {results['exactness']['hf_float32_aux']:.1e})")
+    if "cost" in parts:
+        results["cost"] = cost(args)
+        print(f"\n{args.steps} x {args.batch} sequences of {args.seq}, {args.experts} experts, {args.layers} layers,"
+              f" hidden {args.hidden}, float32, {args.rounds} interleaved rounds, {args.threads} thread(s)")
+        print("| loop | ms / window (median) | vs hand loop |\n|---|---|---|")
+        for name, row in results["cost"].items():
+            print(f"| {name} | {row['ms_per_window']:.2f} | {row['vs_hand_loop']:.3f}x |")
+    if "memory" in parts:
+        results["memory"] = memory(args)
+        print("\n| loop | peak tensor memory of a window (KiB) |\n|---|---|")
+        for name, row in results["memory"].items():
+            print(f"| {name} | {row['peak_bytes'] / 1024:.1f} |")
+        print(f"global / hand loop: {results['memory']['global']['vs_hand_loop']:.4f}x")
+    if "training" in parts:
+        results["training"] = training(args)
+        print(f"\n{args.train_windows} windows, {args.domains} domains (one per micro-batch), last {args.tail}:")
+        print("| mode | LM loss | held-out loss | window balance (mean of layers) | worst layer "
+              "| micro-batch balance |\n|---|---|---|---|---|---|")
+        for mode, row in results["training"].items():
+            print(f"| {mode} | {row['tail_loss']:.4f} | {row['heldout_loss']:.4f} | {row['tail_balance']:.3f} "
+                  f"| {row['tail_worst_layer_balance']:.3f} | {row['tail_micro_balance']:.3f} |")
+    results["setup"] = {k: v for k, v in vars(args).items() if k not in ("json", "parts")}
+    if args.json is not None:
+        write_results(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
