@@ -42,6 +42,13 @@ FLOORS = [("gradaccum.core", "gradaccum.torch"), ("gradaccum.core", "gradaccum.m
               "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing")],
           *[(low, "gradaccum.contrastive")
             for low in ("gradaccum.core", "gradaccum.torch", "gradaccum.mindspore")],
+          # The mixture-of-experts balance sits at the torch floor, as the contrastive losses do.
+          *[("gradaccum.moe", high) for high in (
+              "gradaccum.mindspore", "gradaccum.demos", "gradaccum.bench", "gradaccum.cli",
+              "gradaccum.integrations", "gradaccum.lightning", "gradaccum.testing",
+              "gradaccum.contrastive")],
+          *[(low, "gradaccum.moe") for low in (
+              "gradaccum.core", "gradaccum.torch", "gradaccum.mindspore", "gradaccum.contrastive")],
           # The run folder (lock, checkpoint, outputs, interrupts) sits below the seed experiment
           # and the commands, which import it, and above the core and the adapter: it imports no
           # demo, command, benchmark, backend or integration, and no library room imports it.
@@ -123,7 +130,7 @@ def test_a_lower_floor_never_imports_a_higher_one(graph, low, high):
 
 def test_every_room_names_what_it_may_import_and_imports_nothing_else(graph):
     assert {"gradaccum.core", "gradaccum.torch", "gradaccum.integrations", "gradaccum.run_folder",
-            "gradaccum.demos", "gradaccum.cli"} <= set(ROOMS)
+            "gradaccum.demos", "gradaccum.cli", "gradaccum.moe"} <= set(ROOMS)
     for room in ROOMS:
         modules = {room} | graph.find_descendants(room)
         imported = {".".join(i.split(".")[:2])

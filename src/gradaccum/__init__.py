@@ -5,7 +5,8 @@ update as the large batch, to float tolerance.
 
 ``import gradaccum`` loads the framework-free core only; the PyTorch names (``Accumulator``,
 ``AutoBatch``, ``check_equivalence``, ...) and the modules ``gradaccum.torch`` and
-``gradaccum.contrastive`` (the tiled contrastive losses) import torch when first used, so that
+``gradaccum.contrastive`` (the tiled contrastive losses) and ``gradaccum.moe`` (a mixture of
+experts' load-balancing loss) import torch when first used, so that
 ``gradaccum.mindspore`` and ``gradaccum.core`` work where torch is not installed. Without torch,
 using a PyTorch name raises one ImportError that names what to install.
 
@@ -49,10 +50,11 @@ _TORCH_NAMES = frozenset({
 })
 
 # The modules that need torch, loaded on first use as attributes (gradaccum.contrastive.clip_loss).
-_TORCH_MODULES = frozenset({"torch", "contrastive"})
+_TORCH_MODULES = frozenset({"torch", "contrastive", "moe"})
 
 if TYPE_CHECKING:
     from gradaccum import contrastive as contrastive  # the tiled losses, as after an eager import
+    from gradaccum import moe as moe  # the mixture-of-experts balance, as after an eager import
     from gradaccum import torch as torch  # the adapter module, as after an eager import
     from gradaccum.torch import (
         Accumulator,

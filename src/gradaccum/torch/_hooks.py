@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookList", "hook_optimizer", "retire"]
+__all__ = ["Feed", "HookList", "hook_optimizer", "retire"]
 
 # Optimizer hooks of dropped accumulators, taken off when the next hook is put on: an accumulator
 # can be collected while the optimizer iterates over its hooks (a collection triggered inside
@@ -41,6 +41,24 @@ def retire(handle: RemovableHandle) -> None:
     _RETIRED.append(handle)
 
 
+class Feed(NamedTuple):
+    """What a feed hook (``Accumulator.register_feed_hook``) is told before a backward.
+
+    Attributes:
+        micro_step: the window's micro-batches fed before this one (its index in the window).
+        n_items: the count given (None: mean weighting).
+        reduction: ``"mean"`` or ``"sum"``.
+        seed: the gradient the backward starts from, the micro-batch's weight in the window's
+            accumulated gradient before the boundary's normalization (None: 1); an active
+            GradScaler's scale multiplies it in the backward.
+    """
+
+    micro_step: int
+    n_items: Any
+    reduction: str
+    seed: Any
+
+
 class HookList:
     """An ordered set of ``hook(accumulator)`` callbacks with removable handles.
 
@@ -62,6 +80,9 @@ class HookList:
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
 
     def __call__(self, acc: Any) -> None:
         """Run every hook, in registration order (a copy: hooks may remove themselves)."""

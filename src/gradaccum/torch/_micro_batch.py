@@ -16,6 +16,7 @@ import torch
 from gradaccum.core.terms import add_terms
 from gradaccum.core.window import Window
 from gradaccum.torch._guards import Guard
+from gradaccum.torch._hooks import Feed
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._terms import term_count, term_factor
 from gradaccum.torch._validate import check_loss, check_total
@@ -112,21 +113,25 @@ class MicroBatch:
 
 @contextmanager
 def feed_block(window: Window, n: Any, summed: bool, precision: Precision, sync: GradSync, guard: Guard,
-               commit: Callable[[Window], bool]) -> Iterator[MicroBatch]:
+               commit: Callable[[Window], bool], before: Callable[[Feed], None] = lambda feed: None
+               ) -> Iterator[MicroBatch]:
     """One micro-batch of ``window`` fed by the block's ``mb.backward`` calls.
 
     The micro-batch is weighed when the block opens (its count ``n``, checked; ``summed``: the
     losses are sum-reduced), and each loss is backpropagated from its weight through
     ``precision``. When the block ends the :class:`MicroBatch` closes (also on error); without an
     error, ``guard`` is told of the backward passes run and ``commit(window after the block)``
-    (the accumulator's) returns whether the window stepped (:attr:`MicroBatch.stepped`).
+    (the accumulator's) returns whether the window stepped (:attr:`MicroBatch.stepped`);
+    ``before(feed)`` runs before each backward (the accumulator's feed hooks).
     """
     term, scale = window_term(window, n, precision.overflow_prone, sync)
     pending = window.advance(term, scale=scale, summed=summed)
     check_total(pending.items)
 
     def run(loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        precision.backward(loss, loss_seed(loss, n, pending.scale, pending.size, summed))
+        seed = loss_seed(loss, n, pending.scale, pending.size, summed)
+        before(Feed(window.micro_step, n, "sum" if summed else "mean", seed))
+        precision.backward(loss, seed)
         return loss.detach(), 1 if n is None or summed else n
 
     fed: list[tuple[Any, Any]] = []  # (n_items, total) of each term, in call order

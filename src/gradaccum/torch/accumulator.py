@@ -36,7 +36,7 @@ from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
-from gradaccum.torch._hooks import HookList
+from gradaccum.torch._hooks import Feed, HookList
 from gradaccum.torch._micro_batch import MicroBatch, feed_block
 from gradaccum.torch._precision import Precision
 from gradaccum.torch._saves import SaveWatch
@@ -159,6 +159,7 @@ class Accumulator:
         self._params = params
         self._hooks = HookList()  # after a boundary
         self._discard_hooks = HookList()
+        self._feed_hooks = HookList()  # before each micro-batch's backward (gradaccum.moe)
         self._saves = SaveWatch(self, optimizer)  # an optimizer state saved mid-window without ours
         self.optimizer_steps = 0
         self.skipped_windows = 0
@@ -245,7 +246,10 @@ class Accumulator:
                                  losses=((loss.detach(), 1 if n is None or summed else n),))
             if not isinstance(n, torch.Tensor):
                 check_total(nxt.items)
-            self._precision.backward(loss, loss_seed(loss, n, nxt.scale, nxt.size, summed))
+            seed = loss_seed(loss, n, nxt.scale, nxt.size, summed)
+            if self._feed_hooks:
+                self._feed_hooks(Feed(window.micro_step, n, reduction, seed))
+            self._precision.backward(loss, seed)
             self._guard.note()
             return self._commit(nxt)
         finally:
@@ -335,7 +339,7 @@ class Accumulator:
             window = self._window
             self._before_feed(window)
             with feed_block(window, n, reduction == "sum", self._precision, self._sync, self._guard,
-                            self._commit) as mb:
+                            self._commit, self._feed_hooks) as mb:
                 self._in_block = True
                 try:
                     yield mb
@@ -522,6 +526,19 @@ class Accumulator:
             A handle whose ``remove()`` unregisters the hook.
         """
         return self._discard_hooks.register(hook)
+
+    def register_feed_hook(self, hook: Callable[[Feed], None]) -> RemovableHandle:
+        """Call ``hook(feed)`` right before each backward of :meth:`backward` and of
+        :meth:`micro_batch`'s ``mb.backward``, with a named tuple ``feed``: the window's
+        ``micro_step``, the ``n_items`` and ``reduction`` given, and the ``seed`` the backward
+        starts from (None: 1; an active GradScaler's scale multiplies it). For a loss term
+        entered inside the user's backward at a weight of its own (``gradaccum.moe``); what the
+        hook raises propagates before the backward runs, with nothing changed.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._feed_hooks.register(hook)
 
     # ------------------------------------------------------------------ the window's steps
     def _enter(self, method: str) -> None:

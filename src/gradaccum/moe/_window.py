@@ -1,0 +1,197 @@
+"""One window of a :class:`gradaccum.moe.LoadBalance` run: its micro-batches, masks and totals, the
+routes counted in it, and the weights each micro-batch's backward carries.
+
+:class:`PreparedWindow` is made by ``LoadBalance.windows`` before the window trains (with mode
+``"global"``, after the pre-pass counted its routes) and dropped at its boundary. The router
+hooks add the routes of each training forward to it (:meth:`PreparedWindow.seen`), and the
+accumulator's feed hook asks it for the slot of a micro-batch (:meth:`PreparedWindow.fill`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from gradaccum.core.balance import count_scale
+from gradaccum.moe._inject import Slot
+from gradaccum.torch.cached.replay import RngStates
+
+__all__ = ["Batches", "PreparedWindow", "all_reduce_sum"]
+
+
+class Batches(list):  # type: ignore[type-arg]
+    """The window's micro-batches, a list; iterating it puts back, before each micro-batch, the
+    random state its pre-pass forward ran from (so the training forward routes as counted)."""
+
+    def __init__(self, batches: list[Any], states: list[RngStates] | None) -> None:
+        super().__init__(batches)
+        self._states = states
+
+    def __iter__(self) -> Iterator[Any]:
+        for j, batch in enumerate(list.__iter__(self)):
+            if self._states is not None and j < len(self._states):
+                self._states[j].restore()
+            yield batch
+
+
+def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``t`` summed over the ranks (one all-reduce; nothing on one process)."""
+    if world_size > 1:
+        torch.distributed.all_reduce(t)
+    return t
+
+
+class PreparedWindow:
+    """A window read before it trains.
+
+    Args:
+        size: its micro-batches.
+        masks: each micro-batch's row mask (float64, flattened), or None (every row counts).
+        tokens: this rank's tokens per micro-batch (the masks' sums), or None (counted in the
+            pre-pass, from the routers' rows).
+        shape: ``(layers, experts, top_k, per_layer, coef, mode)``.
+        world_size: the ranks.
+    """
+
+    def __init__(self, size: int, masks: list[torch.Tensor | None], shape: tuple[Any, ...],
+                 world_size: int) -> None:
+        self.size = size
+        self.masks = masks
+        self.layers, self.experts, self.top_k, self.per_layer, self.coef, self.mode = shape
+        self.world_size = world_size
+        self.slots = [Slot() for _ in range(size)]
+        self.counts: list[torch.Tensor | None] = [None] * size  # pre-pass routes per micro-batch
+        self.rows: list[Any] = [None] * size  # each micro-batch's tokens on this rank
+        self.seen_routes: list[torch.Tensor | None] = [None] * size  # training forwards' routes
+        self.window_tokens: Any = None  # over every rank
+        self.items: Any = None  # the n_items total over every rank (None: no count function)
+        self.items_local: list[Any] = []
+        self.weights: torch.Tensor | None = None  # "global": the window's a
+        self._cum: torch.Tensor | None = None  # "rolling": routes so far, every rank
+        self._cum_tokens: Any = 0
+        self.load: torch.Tensor | None = None
+        self.fed_items: Any = 0  # the n_items the user's backward calls gave (checked at the end)
+
+    # ------------------------------------------------------------------ counts
+    def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:
+        """Add one router call's routes to micro-batch ``j``'s in ``store`` (:attr:`counts`, the
+        pre-pass's, or :attr:`seen_routes`, the training forwards')."""
+        if self.experts is None:
+            self.experts = routes.numel()
+        if store[j] is None:
+            store[j] = torch.zeros(self.layers, self.experts, dtype=routes.dtype, device=routes.device)
+        store[j][layer] += routes  # type: ignore[index]
+
+    def _zeros(self, like: torch.Tensor | None) -> torch.Tensor:
+        device = like.device if like is not None else None
+        return torch.zeros(self.layers, self.experts, dtype=torch.float64, device=device)
+
+    def weigh(self, counts: torch.Tensor, counted_tokens: Any) -> torch.Tensor:
+        """The weights ``a`` from route counts taken over ``counted_tokens`` tokens."""
+        scale = count_scale(max(counted_tokens, 1), max(self.window_tokens, 1), layers=self.layers,
+                            experts=self.experts, top_k=self.top_k, per_layer=self.per_layer,
+                            coef=self.coef)
+        pooled = counts if self.per_layer else counts.sum(0, keepdim=True).expand_as(counts)
+        weights: torch.Tensor = pooled * scale
+        return weights
+
+    def finish_prepare(self, items_local: list[Any] | None) -> None:
+        """After the pre-pass (or, in the one-pass modes, the masks alone): one all-reduce of the
+        routes (``"global"``), tokens and items, then the window's weights (``"global"``)."""
+        rows = [float(r) for r in self.rows]
+        parts = [torch.tensor([sum(rows)], dtype=torch.float64)]
+        if items_local is not None:
+            self.items_local = items_local
+            total = sum((torch.as_tensor(n, dtype=torch.float64).reshape(1).cpu() for n in items_local),
+                        torch.zeros(1, dtype=torch.float64))
+            parts.append(total)
+        device = None
+        if self.mode == "global":
+            counts = [c for c in self.counts if c is not None]
+            local = sum(counts[1:], counts[0]) if counts else self._zeros(None)
+            device = local.device
+            parts.append(local.reshape(-1).cpu())
+        flat = torch.cat(parts)
+        if self.world_size > 1:
+            flat = flat.to(_collective_device())
+        flat = all_reduce_sum(flat, self.world_size).cpu()
+        self.window_tokens = float(flat[0])
+        if items_local is not None:
+            self.items = float(flat[1])
+        if self.mode == "global":
+            load = flat[-self.layers * self.experts:].reshape(self.layers, self.experts).to(device)
+            self.load = load
+            self.weights = self.weigh(load, self.window_tokens)
+
+    # ------------------------------------------------------------------ a micro-batch's backward
+    def fill(self, j: int) -> Slot:
+        """The slot of micro-batch ``j``, its weights computed at its first backward.
+
+        Raises:
+            ValueError: ``"global"``: its training forward routed otherwise than the pre-pass
+                counted (another batch, another model state); before any backward of it.
+        """
+        slot = self.slots[j]
+        if slot.a is not None:
+            return slot
+        seen = self.seen_routes[j]
+        if self.mode == "global":
+            prepared = self.counts[j]
+            if seen is None or prepared is None or not torch.equal(seen, prepared.to(seen.device)):
+                raise ValueError(
+                    f"micro-batch {j} of this window routed otherwise than the window LoadBalance "
+                    "prepared (the pre-pass counted its routes): feed the window's micro-batches as "
+                    "windows() gives them, in order, each through one forward, and change no "
+                    "parameter or routing bias inside the window; nothing has changed")
+            assert self.weights is not None
+            slot.a = self.weights
+        elif self.mode == "rolling":
+            counts = seen if seen is not None else self._zeros(None)
+            both = torch.cat([counts.reshape(-1).cpu(), torch.tensor([float(self.rows[j] or 0)],
+                                                                      dtype=torch.float64)])
+            if self.world_size > 1:
+                both = all_reduce_sum(both.to(_collective_device()), self.world_size).cpu()
+            routes = both[:-1].reshape(counts.shape).to(counts.device)
+            self._cum = routes if self._cum is None else self._cum + routes
+            self._cum_tokens = self._cum_tokens + float(both[-1])
+            slot.a = self.weigh(self._cum, self._cum_tokens)
+        else:
+            counts = seen if seen is not None else self._zeros(None)
+            slot.a = self.weigh(counts, float(self.rows[j] or 0))
+        return slot
+
+    def close(self) -> torch.Tensor:
+        """The window's load (routes per layer and expert, every rank), at its boundary."""
+        if self.mode == "global":
+            assert self.load is not None
+            return self.load
+        if self.mode == "rolling" and self._cum is not None:
+            return self._cum
+        seen = [s for s in self.seen_routes if s is not None]
+        local = sum(seen[1:], seen[0]) if seen else self._zeros(None)
+        if self.world_size > 1:
+            device = local.device
+            local = all_reduce_sum(local.to(_collective_device()), self.world_size).to(device)
+        return local
+
+
+def _collective_device() -> torch.device:
+    """The device the default process group's collectives take (CPU for gloo)."""
+    backend = torch.distributed.get_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mask_rows(mask: Any) -> torch.Tensor | None:
+    """A batch's mask as float64 rows (flattened), or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must give a tensor (the batch's token mask), got {type(mask).__name__}")
+    return mask.detach().reshape(-1).to(torch.float64)
+
+
+Counter = Callable[[Any], Any]

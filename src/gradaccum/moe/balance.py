@@ -1,0 +1,350 @@
+""":class:`LoadBalance`: a mixture of experts' load-balancing loss of the whole window, its gradient
+entered inside the user's own ``acc.backward`` (docs/MOE.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from gradaccum.core.balance import check_mode
+from gradaccum.moe._inject import Site, count_routes, inject
+from gradaccum.moe._routers import check_aux_off, find_routers, logits_of, switch_aux_off
+from gradaccum.moe._window import Batches, PreparedWindow, mask_rows
+from gradaccum.torch import Accumulator
+from gradaccum.torch._hooks import Feed, HookList
+from gradaccum.torch.cached.replay import NormStats, RngStates
+
+__all__ = ["LoadBalance"]
+
+
+class _StopPrePass(Exception):
+    """Raised by the last router of a pre-pass forward: the rest of the model is not needed."""
+
+
+def _in_backward() -> bool:
+    """True inside a backward pass (a checkpoint's recomputation): its routes were counted."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _default_forward(model: nn.Module) -> Callable[[Any], Any]:
+    def forward(batch: Any) -> Any:
+        return model(**batch) if isinstance(batch, dict) else model(batch)
+    return forward
+
+
+def _default_mask(batch: Any) -> Any:
+    return batch.get("attention_mask") if isinstance(batch, dict) else None
+
+
+class LoadBalance:
+    """The load-balancing loss of a mixture of experts over the whole window, exact across
+    micro-batches and ranks.
+
+    The loss of a batch, ``coef * E * sum_i f_i P_i`` (``f_i``: the fraction of routes to expert
+    ``i``; ``P_i``: its mean router probability), is a statistic of the batch: computed per
+    micro-batch it trains another objective. ``LoadBalance`` switches the model's own auxiliary
+    loss off and adds the gradient of the window's loss inside each micro-batch's own backward
+    (``acc.backward``, ``acc.micro_batch``), with the weight that makes the window's update the
+    large batch's, whatever ``n_items`` the language-model loss uses.
+
+    Args:
+        model: the model (a Hugging Face MoE model: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE; or any
+            module, with ``routers=``), plain or wrapped in DDP / FSDP2.
+        coef: the loss's coefficient, >= 0 (default: the config's ``router_aux_loss_coef``).
+        mode: ``"global"``: the window's own counts, from a no-grad pre-pass of its micro-batches
+            (exact); ``"rolling"``: the counts so far in the window (this micro-batch's included,
+            every rank); ``"micro_batch"``: each micro-batch's own loss (Hugging Face's), weighted
+            by its share of the window's tokens over every rank.
+        routers: the router modules, if not a Hugging Face model: each returns its logits
+            ``(tokens, experts)``, or a tuple holding them first.
+        num_experts: experts per layer (default: the config's, else the logits' last dimension).
+        top_k: routes per token (default: the config's ``num_experts_per_tok``).
+        per_layer: sum each layer's loss (Switch, Megatron, torchtitan: ``f`` the fraction of the
+            layer's routes) instead of pooling the layers as ``load_balancing_loss_func`` does.
+
+    Attributes:
+        load: the last window's routes per layer and expert, summed over the ranks (float64
+            ``(layers, experts)``; None before the first window).
+        mode: the mode given.
+
+    Raises:
+        TypeError, ValueError: no router found and none given, a misspelled mode, ``coef`` < 0
+            or not finite, a bad number; nothing is changed (the model's aux loss stays as it was).
+
+    Example:
+        >>> import torch, gradaccum
+        >>> from gradaccum.moe import LoadBalance
+        >>> router = torch.nn.Linear(4, 3)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), router)
+        >>> acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+        >>> balance = LoadBalance(model, routers=[router], top_k=1, coef=0.01)
+        >>> loader = [torch.randn(5, 4) for _ in range(4)]
+        >>> for window in balance.windows(loader, acc, mask=lambda x: torch.ones(len(x))):
+        ...     for x in window:
+        ...         stepped = acc.backward(model(x).pow(2).mean())
+        >>> acc.optimizer_steps, tuple(balance.load.shape)
+        (2, (1, 3))
+    """
+
+    def __init__(self, model: nn.Module, *, coef: float | None = None, mode: str = "global",
+                 routers: Iterable[nn.Module] | None = None, num_experts: int | None = None,
+                 top_k: int | None = None, per_layer: bool = False) -> None:
+        self.mode = check_mode(mode)
+        if not isinstance(per_layer, bool):
+            raise TypeError(f"per_layer must be True or False, got {per_layer!r}")
+        found = find_routers(model, None if routers is None else list(routers), num_experts, top_k, coef)
+        self.model = model
+        self.coef = found.coef
+        self.top_k = found.top_k
+        self.per_layer = per_layer
+        self._found = found
+        self._experts = found.experts
+        self._layer = {id(m): i for i, m in enumerate(found.modules)}
+        self._on_window = HookList()
+        self.load: torch.Tensor | None = None
+        self._window: PreparedWindow | None = None
+        self._pre: tuple[int, PreparedWindow, set[int]] | None = None  # in a pre-pass forward
+        self._acc: Accumulator | None = None
+        self._feed_handle: RemovableHandle | None = None
+        self._early_stop = not _distributed(model)
+        switch_aux_off(found.config)
+        self._handles = [m.register_forward_hook(self._router_hook) for m in found.modules]
+
+    @property
+    def routers(self) -> tuple[nn.Module, ...]:
+        """The router modules, in model order."""
+        return self._found.modules
+
+    def on_window(self, fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """Call ``fn(load)`` once per window, at its boundary, with the window's load
+        (:attr:`load`): for DeepSeek-V3's auxiliary-loss-free bias, one update per optimizer step
+        from the whole window's load.
+
+        Returns:
+            A handle whose ``remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"on_window takes a function of the load, got {type(fn).__name__}")
+        return self._on_window.register(fn)
+
+    def remove(self) -> None:
+        """Take every hook off the routers and the accumulator (the model's aux loss stays off)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._feed_handle is not None:
+            self._feed_handle.remove()
+            self._feed_handle = None
+
+    def windows(self, loader: Iterable[Any], acc: Accumulator, *, forward: Callable[[Any], Any] | None = None,
+                mask: Callable[[Any], Any] | None = None, n_items: Callable[[Any], Any] | None = None
+                ) -> Iterator[list[Any]]:
+        """The windows of ``loader``, each a list of ``acc.steps`` micro-batches, read before they
+        train: feed each micro-batch through ``acc.backward`` (or ``acc.micro_batch``).
+
+        Args:
+            loader: the micro-batches (a short last window is applied by ``acc.flush()``).
+            acc: the accumulator the micro-batches are fed to.
+            forward: runs one micro-batch's forward for the pre-pass (default ``model(**batch)``,
+                ``model(batch)`` for a batch that is not a dict).
+            mask: a batch's token mask, the rows the routes are counted over (default
+                ``batch["attention_mask"]``; None: every row counts, ``"global"`` only).
+            n_items: the count function of the ``n_items`` given to ``acc.backward`` (e.g.
+                ``lambda b: gradaccum.count_tokens(b["labels"], shift=True)``); needed when the
+                backward is item-weighted.
+
+        Yields:
+            The window's micro-batches, a list.
+
+        Raises:
+            TypeError, ValueError: a bad argument, a window that differs from the one prepared, a
+                backward item-weighted without ``n_items=``, the model's aux loss turned back on;
+                before the micro-batch's backward.
+            RuntimeError: ``acc.backward`` of a balanced model outside ``windows()``.
+        """
+        if not isinstance(acc, Accumulator):
+            raise TypeError(f"acc must be a gradaccum.Accumulator, got {type(acc).__name__}")
+        for name, fn in (("forward", forward), ("mask", mask), ("n_items", n_items)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a function of a batch, got {type(fn).__name__}")
+        self._attach(acc)
+        run = forward or _default_forward(self.model)
+        mask_of = mask or _default_mask
+        batches_of = iter(loader)
+        while True:
+            if acc.micro_step:
+                raise RuntimeError(f"balance.windows() opens a window on an empty accumulator; it holds "
+                                   f"{acc.micro_step} micro-batches (flush() or discard() them first)")
+            batches = list(islice(batches_of, acc.steps))
+            if not batches:
+                return
+            for batch in batches:
+                check_aux_off(self._found.config, batch)
+            window, states = self._prepare(batches, acc, run, mask_of, n_items)
+            self._window = window
+            try:
+                yield Batches(batches, states)
+                if acc.micro_step == len(batches) and len(batches) < acc.steps:
+                    acc.flush()  # the short last window, as its own mean
+                elif acc.micro_step:
+                    raise RuntimeError(f"the window's {len(batches)} micro-batches were not all fed "
+                                       f"({acc.micro_step} were): feed each through acc.backward")
+                self._check_items(window)
+                self.load = window.close()
+            finally:
+                self._window = None
+            self._on_window(self.load)
+
+    # ------------------------------------------------------------------ preparing a window
+    def _attach(self, acc: Accumulator) -> None:
+        if self._acc is acc and self._feed_handle is not None:
+            return
+        if self._feed_handle is not None:
+            self._feed_handle.remove()
+        self._acc = acc
+        self._feed_handle = acc.register_feed_hook(self._before_backward)
+
+    def _prepare(self, batches: list[Any], acc: Accumulator, run: Callable[[Any], Any],
+                 mask_of: Callable[[Any], Any], n_items: Callable[[Any], Any] | None
+                 ) -> tuple[PreparedWindow, list[RngStates] | None]:
+        masks = [mask_rows(mask_of(b)) for b in batches]
+        if self.mode != "global" and any(m is None for m in masks):
+            raise ValueError(f"mode={self.mode!r} needs each batch's token mask to know the window's "
+                             "tokens before it trains: give mask=lambda batch: ... (or batches with "
+                             "'attention_mask'), or use mode='global'")
+        shape = (len(self.routers), self._experts, self.top_k, self.per_layer, self.coef, self.mode)
+        window = PreparedWindow(len(batches), masks, shape, acc.world_size)
+        window.rows = [None if m is None else m.sum().item() for m in masks]
+        items = None if n_items is None else [n_items(b) for b in batches]
+        states = self._pre_pass(window, batches, run) if self.mode == "global" else None
+        window.finish_prepare(items)
+        return window, states
+
+    def _pre_pass(self, window: PreparedWindow, batches: list[Any], run: Callable[[Any], Any]
+                  ) -> list[RngStates]:
+        """Every micro-batch's forward without grad, counting the routes; the random state each
+        started from is kept (the training forward replays it) and the first one put back."""
+        states = []
+        norms = NormStats(self.model)
+        try:
+            for j, batch in enumerate(batches):
+                states.append(RngStates.capture())
+                self._pre = (j, window, set())
+                try:
+                    with torch.no_grad():
+                        run(batch)
+                except _StopPrePass:
+                    pass
+                if window.counts[j] is None:
+                    raise ValueError("no router ran in the pre-pass forward of micro-batch "
+                                     f"{j}: forward= must run the model the routers are in")
+        finally:
+            self._pre = None
+            norms.restore()
+            if states:
+                states[0].restore()
+        return states
+
+    # ------------------------------------------------------------------ the hooks
+    def _router_hook(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        layer = self._layer[id(module)]
+        pre, window = self._pre, self._window
+        if pre is None and window is None:
+            return None  # a forward outside windows() (evaluation): nothing to count or add
+        logits = logits_of(output, self._found.index, module)
+        rows = logits.reshape(-1, logits.shape[-1])
+        if self._experts is None:
+            self._experts = rows.shape[-1]  # from the first logits seen
+        experts = self._experts
+        if rows.shape[-1] != experts:
+            raise ValueError(f"router {type(module).__name__} gave logits of {rows.shape[-1]} experts, "
+                             f"expected num_experts={experts}")
+        if pre is not None:
+            j, prepared, fired = pre
+            if prepared.masks[j] is None and not fired:
+                prepared.rows[j] = rows.shape[0]
+            self._count(prepared, prepared.counts, j, layer, rows)
+            fired.add(layer)
+            if self._early_stop and len(fired) == len(self._layer):
+                raise _StopPrePass
+            return None
+        assert window is not None and self._acc is not None
+        j = self._acc.micro_step
+        if j >= window.size:
+            raise ValueError(f"a forward of micro-batch {j + 1} in a window LoadBalance prepared with "
+                             f"{window.size}: feed the window's micro-batches as windows() gives them")
+        if not _in_backward():  # a checkpoint's recomputation was counted in the forward
+            self._count(window, window.seen_routes, j, layer, rows)
+        if not torch.is_grad_enabled():
+            return None
+        return inject(output, logits, Site(rows.detach(), window.masks[j], layer, window.slots[j]))
+
+    def _count(self, window: PreparedWindow, store: list[torch.Tensor | None], j: int, layer: int,
+               rows: torch.Tensor) -> None:
+        mask = window.masks[j]
+        if mask is not None and mask.numel() != rows.shape[0]:
+            raise ValueError(f"the mask of micro-batch {j} has {mask.numel()} tokens but router "
+                             f"{layer} routed {rows.shape[0]} rows: mask= must give one value per "
+                             "routed token, in the router's order")
+        window.add_routes(store, j, layer, count_routes(rows, mask, self.top_k))
+
+    def _before_backward(self, feed: Feed) -> None:
+        window = self._window
+        if window is None:
+            raise RuntimeError(
+                "acc.backward of a model balanced by LoadBalance outside balance.windows(): feed its "
+                "micro-batches inside `for window in balance.windows(loader, acc): for batch in "
+                "window: acc.backward(...)`; nothing has changed")
+        j = feed.micro_step
+        if j >= window.size:
+            raise ValueError(f"micro-batch {j + 1} of a window LoadBalance prepared with {window.size}: "
+                             "a window that differs from the one prepared; nothing has changed")
+        if window.masks[j] is None and window.rows[j] is None:
+            raise ValueError("no router ran in this micro-batch's forward")
+        slot = window.fill(j)
+        slot.weight = self._weight(feed, window)
+
+    def _weight(self, feed: Feed, window: PreparedWindow) -> Any:
+        """What the closed-form gradient is multiplied by so that, after the boundary's
+        normalization and the ranks' average, it weighs exactly 1 (torch/_weights.py): the
+        backward's seed times the window's total over this micro-batch's count."""
+        seed = 1.0 if feed.seed is None else feed.seed
+        if feed.n_items is None:
+            weight = seed * (window.size * window.world_size)
+        else:
+            if window.items is None:
+                raise ValueError(
+                    f"acc.backward(..., n_items={feed.n_items!r}) weighs the window by items, but "
+                    "balance.windows() was given no n_items=: pass the count function, e.g. "
+                    "n_items=lambda batch: gradaccum.count_tokens(batch['labels'], shift=True); "
+                    "nothing has changed")
+            n = feed.n_items
+            window.fed_items = window.fed_items + (n.detach().to(torch.float64) if isinstance(n, torch.Tensor)
+                                                   else float(n))
+            weight = seed * window.items if feed.reduction == "sum" else seed * window.items / n
+        scaler = self._acc.scaler if self._acc is not None else None
+        if scaler is not None and scaler.is_enabled():
+            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float32))
+        return weight
+
+    def _check_items(self, window: PreparedWindow) -> None:
+        if window.items is None or not window.items_local:
+            return
+        given = float(window.fed_items)
+        expected = sum(float(n) for n in window.items_local)
+        if given and abs(given - expected) > 1e-9 * max(expected, 1.0):
+            raise ValueError(f"the n_items given to acc.backward sum to {given:g} on this rank but "
+                             f"balance.windows(n_items=...) counts {expected:g}: give windows() the count "
+                             "function your backward uses")
+
+
+def _distributed(model: nn.Module) -> bool:
+    """DDP or FSDP2: a forward stopped half-way would leave their state mid-forward."""
+    if type(model).__name__ == "DistributedDataParallel":
+        return True
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
