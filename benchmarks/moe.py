@@ -10,7 +10,8 @@ Four parts, one results file:
   Hugging Face loop by hand (and the two passes by hand), medians of windows run interleaved
   round by round in one process (the order rotating), after warm-up.
 - ``memory``: the tensor memory a window holds at its peak (the allocator's, through the
-  profiler's memory events on CPU), "global" (its pre-pass included) against the hand loop.
+  profiler's memory events on CPU), "global" (its pre-pass included) against the hand loop and
+  against "rolling" (the same loop without a pre-pass).
 - ``training``: "global" against "micro_batch", the same initial weights and data, on micro-batches
   that each hold one domain (:func:`gradaccum.bench.moe.domain_batches`): per window, the load
   balance (max over mean expert load, each layer, the window's routes) and the language-model loss;
@@ -36,10 +37,10 @@ import gradaccum
 from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.measure import allocator_memory, interleaved
 from gradaccum.bench.moe import (
-    PAD,
     Batch,
     domain_batches,
     hand_loop,
+    lm_sum,
     padded_batches,
     rolling_loop,
     tiny_qwen3_moe,
@@ -56,21 +57,33 @@ def tokens(batch: Batch) -> torch.Tensor:
     return gradaccum.count_tokens(batch["labels"], shift=True)
 
 
+def hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Hugging Face's ``outputs.loss`` (computed in float32 whatever the model's dtype)."""
+    return model(**batch).loss  # type: ignore[no-any-return]
+
+
+def wide_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The same mean token loss in the model's dtype (float64 for the exactness table)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return lm_sum(logits, batch["labels"]) / tokens(batch)
+
+
 class Library:
     """gradaccum.moe on one model: a ``LoadBalance`` and an ``Accumulator`` of ``steps``, fed one
     window per call through ``balance.windows`` (the loop of docs/MOE.md)."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, steps: int, mode: str, **kw: Any) -> None:
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, steps: int, mode: str,
+                 loss: Callable[[nn.Module, Batch], torch.Tensor] = hf_loss, **kw: Any) -> None:
         from gradaccum.moe import LoadBalance
 
-        self.model = model
+        self.model, self.loss = model, loss
         self.balance = LoadBalance(model, mode=mode, **kw)
         self.acc = gradaccum.Accumulator(opt, steps)
 
     def __call__(self, model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
         for part in self.balance.windows(window, self.acc, n_items=tokens):
             for batch in part:
-                self.acc.backward(self.model(**batch).loss, n_items=tokens(batch))
+                self.acc.backward(self.loss(self.model, batch), n_items=tokens(batch))
 
 
 def per_microbatch_mean(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
@@ -89,6 +102,18 @@ def make_today(steps: int) -> Callable[[nn.Module, torch.optim.Optimizer], Loop]
         def loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
             for b in window:
                 acc.backward(model(**b, output_router_logits=True).loss, n_items=tokens(b))
+        return loop
+    return build
+
+
+def make_plain(steps: int) -> Callable[[nn.Module, torch.optim.Optimizer], Loop]:
+    """The language-model loss alone (float64) through ``acc.backward(..., n_items=...)``."""
+    def build(model: nn.Module, opt: torch.optim.Optimizer) -> Loop:
+        acc = gradaccum.Accumulator(opt, steps)
+
+        def loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
+            for b in window:
+                acc.backward(wide_loss(model, b), n_items=tokens(b))
         return loop
     return build
 
@@ -117,9 +142,23 @@ def exactness(args: argparse.Namespace) -> dict[str, Any]:
         loops: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Loop]] = {
             "loss / k": lambda m, o: per_microbatch_mean, "gradaccum today": make_today(k),
             "rolling by hand": lambda m, o: rolling_loop, "two passes by hand": lambda m, o: two_pass_loop}
-        loops.update({f"gradaccum.moe {mode}": (lambda mode: lambda m, o: Library(m, o, k, mode))(mode)
+        loops.update({f"gradaccum.moe {mode}": (lambda mode: lambda m, o: Library(m, o, k, mode, wide_loss))(mode)
                       for mode in MODES})
         out[str(coef)] = {name: diff(run(build)) for name, build in loops.items()}
+    # The floor of any accumulator on this model: no balancing loss (coef 0), the LM loss alone
+    # through Accumulator.backward against the whole window (Hugging Face's float32 attention
+    # softmax rounds its gradient with the scale of the backward's seed)
+    base = tiny_qwen3_moe(torch.float64, coef=0.0)
+    plain = []
+    for build in (lambda m, o: window_reference, make_plain(k)):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop = build(model, opt)
+        for window in data:
+            loop(model, window, opt)
+        plain.append(model)
+    out["accumulator_floor"] = max(float((a - b).abs().max()) for a, b in zip(
+        plain[0].parameters(), plain[1].parameters(), strict=True))
     # Hugging Face's own balancing loss is float32 inside a float64 model: its distance from float64
     model = tiny_qwen3_moe(torch.float64, coef=0.5)
     from gradaccum.bench.moe import aux_terms, route_counts, window_aux
@@ -182,11 +221,12 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     loops = contenders(args)
     data = cost_windows(args, 2)
     out = {}
-    for name in ("hand loop", "global"):
+    for name in ("hand loop", "rolling", "global"):
         loops[name](data[0])
         _, mem = allocator_memory(lambda name=name: loops[name](data[1]), torch.device("cpu"))
         out[name] = {"peak_bytes": mem.peak}
-    out["global"]["vs_hand_loop"] = round(out["global"]["peak_bytes"] / out["hand loop"]["peak_bytes"], 4)
+    for base in ("hand loop", "rolling"):
+        out["global"][f"vs_{base.replace(' ', '_')}"] = round(out["global"]["peak_bytes"] / out[base]["peak_bytes"], 4)
     return out
 
 
@@ -300,7 +340,8 @@ def main() -> None:
         print("\n| loop | coef 0.5 | coef 0.01 |\n|---|---|---|")
         for name in results["exactness"]["0.5"]:
             print(f"| {name} | {results['exactness']['0.5'][name]:.1e} | {results['exactness']['0.01'][name]:.1e} |")
-        print(f"(Hugging Face's float32 balancing loss, from float64: {results['exactness']['hf_float32_aux']:.1e})")
+        print(f"(Hugging Face's float32 balancing loss, from float64: {results['exactness']['hf_float32_aux']:.1e}; "
+              f"any accumulator without a balancing loss: {results['exactness']['accumulator_floor']:.1e})")
     if "cost" in parts:
         results["cost"] = cost(args)
         print(f"\n{args.steps} x {args.batch} sequences of {args.seq}, {args.experts} experts, {args.layers} layers,"
@@ -313,7 +354,8 @@ def main() -> None:
         print("\n| loop | peak tensor memory of a window (KiB) |\n|---|---|")
         for name, row in results["memory"].items():
             print(f"| {name} | {row['peak_bytes'] / 1024:.1f} |")
-        print(f"global / hand loop: {results['memory']['global']['vs_hand_loop']:.4f}x")
+        print(f"global / hand loop: {results['memory']['global']['vs_hand_loop']:.4f}x, global / rolling (the "
+              f"same loop without the pre-pass): {results['memory']['global']['vs_rolling']:.4f}x")
     if "training" in parts:
         results["training"] = training(args)
         print(f"\n{args.train_windows} windows, {args.domains} domains (one per micro-batch), last {args.tail}:")

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradaccum
@@ -117,9 +116,8 @@ class Stages:
     """This rank's stage modules (copies of ``full_model``'s) and a schedule over them."""
 
     def __init__(self, kind: str, rank: int, world: int, loss_fn: Callable[..., torch.Tensor]) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
 
         virtual = 2 if kind == "interleaved" else 1
         self.n_stages = world * virtual

@@ -20,46 +20,90 @@ The hand loops (one window per call, SGD stepped at its end):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PAD", "Batch", "aux_terms", "domain_batches", "hand_loop", "lm_sum", "padded_batches",
-           "route_counts", "rolling_loop", "tiny_qwen3_moe", "two_pass_loop", "window_aux",
-           "window_reference"]
+__all__ = [
+    "PAD",
+    "Batch",
+    "aux_terms",
+    "domain_batches",
+    "hand_loop",
+    "lm_sum",
+    "padded_batches",
+    "rolling_loop",
+    "route_counts",
+    "tiny_qwen3_moe",
+    "two_pass_loop",
+    "window_aux",
+    "window_reference",
+]
 
 PAD = -100
 Batch = dict[str, torch.Tensor]
 
 
 def tiny_qwen3_moe(dtype: torch.dtype = torch.float64, *, experts: int = 8, top_k: int = 2, layers: int = 2,
-                   hidden: int = 16, vocab: int = 32, coef: float = 0.5, seed: int = 0) -> nn.Module:
-    """A Hugging Face Qwen3-MoE small enough for the suite: every layer sparse, seeded weights.
+                   hidden: int = 16, vocab: int = 32, coef: float = 0.5, seed: int = 0,
+                   wide: bool | None = None) -> nn.Module:
+    """A Hugging Face Qwen3-MoE small enough for the suite (the sizes of tests/moe/models.py):
+    every layer sparse, seeded weights, router weights drawn wide so that no two experts tie for
+    a token.
 
     Args:
         dtype: the parameters' dtype.
         experts: experts per layer.
         top_k: experts each token is routed to.
         layers: decoder layers.
-        hidden: the hidden size (the experts' intermediate size is the same).
+        hidden: the hidden size (attention; the experts' is half of it).
         vocab: the vocabulary size.
         coef: ``router_aux_loss_coef``.
         seed: the weights' seed.
+        wide: the routers' softmax and the RMS norms computed in the model's dtype (default: for
+            float64). Hugging Face's take them in float32 whatever the model's dtype, so that in a
+            float64 model their gradients round with the scale of the backward's seed: an
+            accumulator, whose seed is each micro-batch's count (the window's division waits for
+            the boundary), is then 1e-9 from the whole window in one backward.
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden,
-                            moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=hidden // 2, num_experts=experts,
                             num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
                             norm_topk_prob=True, router_aux_loss_coef=coef, max_position_embeddings=256,
-                            tie_word_embeddings=False)
-    config._experts_implementation = "eager"  # the grouped kernel takes no float64
-    config._attn_implementation = "eager"
+                            attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config).to(dtype)
+    model = Qwen3MoeForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    if dtype == torch.float64 if wide is None else wide:
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.forward = types.MethodType(_router_wide, module)
+            elif type(module).__name__.endswith("RMSNorm"):
+                module.forward = types.MethodType(_norm_wide, module)
+    return model.train()
+
+
+def _norm_wide(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm.forward in the input's dtype."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))  # type: ignore[no-any-return]
+
+
+def _router_wide(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hugging Face's TopKRouter.forward in the logits' dtype."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = nn.functional.linear(hidden_states, self.weight)
+    top, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), chosen
 
 
 def padded_batches(sizes: Sequence[int], seq: int, vocab: int, seed: int) -> list[Batch]:
