@@ -1,5 +1,6 @@
-"""gradaccum.moe under pipeline parallelism (docs/MOE.md, "Pipeline"): MoE layers on every stage,
-2 gloo ranks, 1F1B and Interleaved1F1B, each stage's balancing gradient in its own backward.
+"""The whole window's balancing loss under pipeline parallelism (docs/MOE.md, "Pipeline"): MoE
+layers on every stage, 2 gloo ranks, 1F1B and Interleaved1F1B, each stage's balancing gradient in
+its own backward, by hand (``LoadBalance`` under ``backward_pipeline`` is not there yet).
 
 One launch of tests/distributed/moe_pipeline_ranks.py; each test checks one scenario of it
 against one process on the whole window with the whole window's balancing loss written out.
@@ -7,7 +8,6 @@ against one process on the whole window with the whole window's balancing loss w
 
 import pytest
 
-from tests.distributed.moe_pipeline_ranks import WINDOWS
 from tests.ranks import run_ranks, scenario
 
 pytestmark = pytest.mark.slow  # several processes: deselected by -m 'not slow'
@@ -20,13 +20,11 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
 def test_the_two_passes_by_hand_are_exact_with_a_forward_only_run_of_the_schedule(ranks, kind):
-    # the harness itself: the reference and the pre-pass through schedule.eval agree
     for r in scenario(ranks, f"hand {kind}"):
         assert r["diff"] < 1e-12, r["diff"]
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
-def test_global_balance_under_a_pipeline_equals_one_process_on_the_whole_window(ranks, kind):
-    for r in scenario(ranks, f"global {kind}"):
-        assert r["diff"] < 1e-12, r["diff"]
-        assert r["steps"] == WINDOWS
+def test_counting_the_schedules_shape_inference_forwards_is_not_exact(ranks):
+    # the negative twin: a hook that counts every forward also counts the extra forward the
+    # schedule runs at each switch between eval() and step()
+    assert max(r["diff"] for r in scenario(ranks, "hand 1f1b inference counted")) > 1e-4
