@@ -27,6 +27,7 @@ import argparse
 import copy
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,29 @@ def make_today(steps: int) -> Callable[[nn.Module, torch.optim.Optimizer], Loop]
     return build
 
 
+Builder = Callable[[nn.Module, torch.optim.Optimizer], Loop]
+
+
+def fixed(loop: Loop) -> Builder:
+    """A builder of a loop that keeps no state of its own."""
+    return lambda model, opt: loop
+
+
+def trained(base: nn.Module, build: Builder, data: Sequence[Sequence[Batch]], lr: float = 0.1) -> nn.Module:
+    """A copy of ``base`` trained by the loop ``build`` makes, one call per window, SGD."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loop = build(model, opt)
+    for window in data:
+        loop(model, window, opt)
+    return model
+
+
+def param_diff(a: nn.Module, b: nn.Module) -> float:
+    """The largest absolute difference of two models' parameters."""
+    return max(float((x - y).abs().max()) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
 def make_plain(steps: int) -> Callable[[nn.Module, torch.optim.Optimizer], Loop]:
     """The language-model loss alone (float64) through ``acc.backward(..., n_items=...)``."""
     def build(model: nn.Module, opt: torch.optim.Optimizer) -> Loop:
@@ -123,42 +147,20 @@ def exactness(args: argparse.Namespace) -> dict[str, Any]:
     k = 4
     data = [padded_batches([3, 3, 2, 3], 7, 32, seed=w) for w in range(2)]
     out: dict[str, Any] = {}
+    loops: dict[str, Builder] = {
+        "loss / k": fixed(per_microbatch_mean), "gradaccum today": make_today(k),
+        "rolling by hand": fixed(rolling_loop), "two passes by hand": fixed(two_pass_loop),
+        **{f"gradaccum.moe {mode}": partial(Library, steps=k, mode=mode, loss=wide_loss) for mode in MODES}}
     for coef in (0.5, 0.01):
         base = tiny_qwen3_moe(torch.float64, coef=coef)
-
-        def run(build: Callable[[nn.Module, torch.optim.Optimizer], Loop]) -> nn.Module:
-            model = copy.deepcopy(base)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            loop = build(model, opt)
-            for window in data:
-                loop(model, window, opt)
-            return model
-
-        ref = run(lambda m, o: window_reference)
-
-        def diff(model: nn.Module) -> float:
-            return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
-
-        loops: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Loop]] = {
-            "loss / k": lambda m, o: per_microbatch_mean, "gradaccum today": make_today(k),
-            "rolling by hand": lambda m, o: rolling_loop, "two passes by hand": lambda m, o: two_pass_loop}
-        loops.update({f"gradaccum.moe {mode}": (lambda mode: lambda m, o: Library(m, o, k, mode, wide_loss))(mode)
-                      for mode in MODES})
-        out[str(coef)] = {name: diff(run(build)) for name, build in loops.items()}
+        ref = trained(base, fixed(window_reference), data)
+        out[str(coef)] = {name: param_diff(trained(base, build, data), ref) for name, build in loops.items()}
     # The floor of any accumulator on this model: no balancing loss (coef 0), the LM loss alone
     # through Accumulator.backward against the whole window (Hugging Face's float32 attention
     # softmax rounds its gradient with the scale of the backward's seed)
     base = tiny_qwen3_moe(torch.float64, coef=0.0)
-    plain = []
-    for build in (lambda m, o: window_reference, make_plain(k)):
-        model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loop = build(model, opt)
-        for window in data:
-            loop(model, window, opt)
-        plain.append(model)
-    out["accumulator_floor"] = max(float((a - b).abs().max()) for a, b in zip(
-        plain[0].parameters(), plain[1].parameters(), strict=True))
+    out["accumulator_floor"] = param_diff(trained(base, fixed(window_reference), data),
+                                          trained(base, make_plain(k), data))
     # Hugging Face's own balancing loss is float32 inside a float64 model: its distance from float64
     model = tiny_qwen3_moe(torch.float64, coef=0.5)
     from gradaccum.bench.moe import aux_terms, route_counts, window_aux
@@ -185,14 +187,13 @@ def contenders(args: argparse.Namespace) -> dict[str, Callable[[Sequence[Batch]]
     """Each loop on its own copy of the model and its own SGD: ``window -> None``."""
     base = cost_model(args)
     out: dict[str, Callable[[Sequence[Batch]], None]] = {}
-    builders: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Loop]] = {
-        "hand loop": lambda m, o: hand_loop, "two passes by hand": lambda m, o: two_pass_loop}
-    builders.update({mode: (lambda mode: lambda m, o: Library(m, o, args.steps, mode))(mode) for mode in MODES})
+    builders: dict[str, Builder] = {
+        "hand loop": fixed(hand_loop), "two passes by hand": fixed(two_pass_loop),
+        **{mode: partial(Library, steps=args.steps, mode=mode) for mode in MODES}}
     for name, build in builders.items():
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        loop = build(model, opt)
-        out[name] = (lambda loop, model, opt: lambda w: loop(model, w, opt))(loop, model, opt)
+        out[name] = partial(build(model, opt), model, opt=opt)
     return out
 
 
@@ -226,7 +227,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         _, mem = allocator_memory(lambda name=name: loops[name](data[1]), torch.device("cpu"))
         out[name] = {"peak_bytes": mem.peak}
     for base in ("hand loop", "rolling"):
-        out["global"][f"vs_{base.replace(' ', '_')}"] = round(out["global"]["peak_bytes"] / out[base]["peak_bytes"], 4)
+        ratio = out["global"]["peak_bytes"] / out[base]["peak_bytes"]
+        out["global"][f"vs_{base.replace(' ', '_')}"] = round(ratio, 4)
     return out
 
 
@@ -336,34 +338,37 @@ def main() -> None:
     results: dict[str, Any] = {"source": "python benchmarks/moe.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"), "machine": machine}
     if "exactness" in parts:
-        results["exactness"] = exactness(args)
+        results["exactness"] = ex = exactness(args)
         print("\n| loop | coef 0.5 | coef 0.01 |\n|---|---|---|")
-        for name in results["exactness"]["0.5"]:
-            print(f"| {name} | {results['exactness']['0.5'][name]:.1e} | {results['exactness']['0.01'][name]:.1e} |")
-        print(f"(Hugging Face's float32 balancing loss, from float64: {results['exactness']['hf_float32_aux']:.1e}; "
-              f"any accumulator without a balancing loss: {results['exactness']['accumulator_floor']:.1e})")
+        for name in ex["0.5"]:
+            print(f"| {name} | {ex['0.5'][name]:.1e} | {ex['0.01'][name]:.1e} |")
+        print(f"(Hugging Face's float32 balancing loss, from float64: {ex['hf_float32_aux']:.1e}; "
+              f"any accumulator without a balancing loss: {ex['accumulator_floor']:.1e})")
     if "cost" in parts:
         results["cost"] = cost(args)
-        print(f"\n{args.steps} x {args.batch} sequences of {args.seq}, {args.experts} experts, {args.layers} layers,"
-              f" hidden {args.hidden}, float32, {args.rounds} interleaved rounds, {args.threads} thread(s)")
+        print(f"\n{args.steps} x {args.batch} sequences of {args.seq}, {args.experts} experts, "
+              f"{args.layers} layers, hidden {args.hidden}, float32, {args.rounds} interleaved rounds, "
+              f"{args.threads} thread(s)")
         print("| loop | ms / window (median) | vs hand loop |\n|---|---|---|")
         for name, row in results["cost"].items():
             print(f"| {name} | {row['ms_per_window']:.2f} | {row['vs_hand_loop']:.3f}x |")
     if "memory" in parts:
-        results["memory"] = memory(args)
+        results["memory"] = mem = memory(args)
         print("\n| loop | peak tensor memory of a window (KiB) |\n|---|---|")
-        for name, row in results["memory"].items():
+        for name, row in mem.items():
             print(f"| {name} | {row['peak_bytes'] / 1024:.1f} |")
-        print(f"global / hand loop: {results['memory']['global']['vs_hand_loop']:.4f}x, global / rolling (the "
-              f"same loop without the pre-pass): {results['memory']['global']['vs_rolling']:.4f}x")
+        print(f"global / hand loop: {mem['global']['vs_hand_loop']:.4f}x, global / rolling (the same "
+              f"loop without the pre-pass): {mem['global']['vs_rolling']:.4f}x")
     if "training" in parts:
         results["training"] = training(args)
-        print(f"\n{args.train_windows} windows, {args.domains} domains (one per micro-batch), last {args.tail}:")
+        print(f"\n{args.train_windows} windows, {args.domains} domains (one per micro-batch), "
+              f"last {args.tail}:")
         print("| mode | LM loss | held-out loss | window balance (mean of layers) | worst layer "
               "| micro-batch balance |\n|---|---|---|---|---|---|")
         for mode, row in results["training"].items():
-            print(f"| {mode} | {row['tail_loss']:.4f} | {row['heldout_loss']:.4f} | {row['tail_balance']:.3f} "
-                  f"| {row['tail_worst_layer_balance']:.3f} | {row['tail_micro_balance']:.3f} |")
+            print(f"| {mode} | {row['tail_loss']:.4f} | {row['heldout_loss']:.4f} | "
+                  f"{row['tail_balance']:.3f} | {row['tail_worst_layer_balance']:.3f} | "
+                  f"{row['tail_micro_balance']:.3f} |")
     results["setup"] = {k: v for k, v in vars(args).items() if k not in ("json", "parts")}
     if args.json is not None:
         write_results(args.json, results)

@@ -71,14 +71,14 @@ def tiny_qwen3_moe(dtype: torch.dtype = torch.float64, *, experts: int = 8, top_
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                            moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=hidden // 2, num_experts=experts,
-                            num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
-                            norm_topk_prob=True, router_aux_loss_coef=coef, max_position_embeddings=256,
-                            attn_implementation="eager", experts_implementation="eager")
+    sizes: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+        num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, router_aux_loss_coef=coef, max_position_embeddings=256,
+        attn_implementation="eager", experts_implementation="eager")  # float64 has no grouped kernel
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(dtype)
+    model: nn.Module = Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes)).to(dtype)  # type: ignore[arg-type]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
@@ -117,7 +117,8 @@ def padded_batches(sizes: Sequence[int], seq: int, vocab: int, seed: int) -> lis
         ids = torch.randint(0, vocab, (n, seq), generator=g)
         lengths = torch.randint(2, seq + 1, (n,), generator=g)
         mask = (torch.arange(seq) < lengths[:, None]).long()
-        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, PAD)})
+        labels = ids.masked_fill(mask == 0, PAD)
+        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": labels})
     return out
 
 
@@ -142,7 +143,8 @@ def domain_batches(n: int, size: int, seq: int, vocab: int, domains: int, seed: 
         ids[:, 0] = torch.randint(0, width, (size,), generator=g)
         for t in range(1, seq):
             noise = torch.rand(size, generator=g) < 0.1
-            ids[:, t] = torch.where(noise, torch.randint(0, width, (size,), generator=g), tables[d][ids[:, t - 1]])
+            anywhere = torch.randint(0, width, (size,), generator=g)
+            ids[:, t] = torch.where(noise, anywhere, tables[d][ids[:, t - 1]])
         ids = ids + d * width
         out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     return out
@@ -193,12 +195,13 @@ def window_aux(counts: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, *,
 
 
 def _logits(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                output_router_logits=True)
     return out.logits, tuple(out.router_logits)
 
 
 def _shape(model: nn.Module) -> tuple[int, int, float]:
-    c = model.config
+    c: Any = model.config
     return c.num_experts, c.num_experts_per_tok, float(c.router_aux_loss_coef)
 
 
@@ -213,12 +216,9 @@ def window_reference(model: nn.Module, window: Sequence[Batch], opt: torch.optim
     tokens = sum(int((b["labels"][:, 1:] != PAD).sum()) for b in window)
     lm = sum((lm_sum(lo, b["labels"]) for (lo, _), b in zip(outs, window, strict=True)),
              torch.zeros((), dtype=torch.float64)) / tokens
-    counts = rows = probs = None
-    for (_, routers), b in zip(outs, window, strict=True):
-        c, r = route_counts(routers, b["attention_mask"], experts, top_k)
-        p = aux_terms(routers, b["attention_mask"])
-        counts, rows, probs = (c, r, p) if counts is None else (counts + c, rows + r, probs + p)
-    assert counts is not None and rows is not None and probs is not None
+    parts = [(*route_counts(routers, b["attention_mask"], experts, top_k),
+              aux_terms(routers, b["attention_mask"])) for (_, routers), b in zip(outs, window, strict=True)]
+    counts, rows, probs = (torch.stack([part[i] for part in parts]).sum(0) for i in range(3))
     loss = lm.double() + coef * window_aux(counts, rows, probs, per_layer=per_layer)
     loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
@@ -235,7 +235,7 @@ def hand_loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimi
     total = _tokens(window)
     for b in window:
         out = model(**b, output_router_logits=True)
-        (out.loss * (int((b["labels"][:, 1:] != PAD).sum()) / total)).backward()
+        (out.loss * (int((b["labels"][:, 1:] != PAD).sum()) / total)).backward()  # type: ignore[no-untyped-call]
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -275,7 +275,7 @@ def two_pass_loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Op
     for b in window:
         logits, routers = _logits(model, b)
         aux = window_aux(counts, rows, aux_terms(routers, b["attention_mask"]), per_layer=per_layer)
-        (lm_sum(logits, b["labels"]).double() / total + coef * aux).backward()
+        (lm_sum(logits, b["labels"]).double() / total + coef * aux).backward()  # type: ignore[no-untyped-call]
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -285,7 +285,7 @@ def rolling_loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Opt
     from this micro-batch's probabilities over the window's masked tokens; one step."""
     experts, top_k, coef = _shape(model)
     total = _tokens(window)
-    rows = sum(b["attention_mask"].sum() for b in window).double()
+    rows = torch.stack([b["attention_mask"].sum() for b in window]).sum().double()
     seen = torch.zeros(())
     seen_rows = torch.zeros((), dtype=torch.float64)
     for b in window:
@@ -294,6 +294,6 @@ def rolling_loop(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Opt
         seen, seen_rows = seen + c, seen_rows + r
         f = seen / seen_rows  # the running fraction stands in for the window's
         aux = window_aux(f * rows, rows, aux_terms(routers, b["attention_mask"]))
-        (lm_sum(logits, b["labels"]).double() / total + coef * aux).backward()
+        (lm_sum(logits, b["labels"]).double() / total + coef * aux).backward()  # type: ignore[no-untyped-call]
     opt.step()
     opt.zero_grad(set_to_none=True)
