@@ -67,7 +67,8 @@ def tiny_qwen3_moe(dtype: torch.dtype = torch.float64, *, experts: int = 8, top_
             float64). Hugging Face's take them in float32 whatever the model's dtype, so that in a
             float64 model their gradients round with the scale of the backward's seed: an
             accumulator, whose seed is each micro-batch's count (the window's division waits for
-            the boundary), is then 1e-9 from the whole window in one backward.
+            the boundary), is then 1e-9 from the whole window in one backward (so is one with
+            eager attention, whose softmax is float32 too: the model uses ``sdpa``).
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -76,7 +77,9 @@ def tiny_qwen3_moe(dtype: torch.dtype = torch.float64, *, experts: int = 8, top_
         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
         num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
         norm_topk_prob=True, router_aux_loss_coef=coef, max_position_embeddings=256,
-        attn_implementation="eager", experts_implementation="eager")  # float64 has no grouped kernel
+        # sdpa: eager attention takes its softmax in float32 even in a float64 model; the grouped
+        # experts kernel takes no float64
+        attn_implementation="sdpa", experts_implementation="eager")
     torch.manual_seed(seed)
     model: nn.Module = Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes)).to(dtype)  # type: ignore[arg-type]
     with torch.no_grad():
