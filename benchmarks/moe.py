@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -51,6 +52,7 @@ from gradaccum.bench.moe import (
 from gradaccum.bench.results_file import write_results
 
 MODES = ("global", "rolling", "micro_batch")
+PARTS = ("exactness", "cost", "memory", "training")
 Loop = Callable[[nn.Module, Sequence[Batch], torch.optim.Optimizer], None]
 
 
@@ -148,13 +150,16 @@ def exactness(args: argparse.Namespace) -> dict[str, Any]:
     data = [padded_batches([3, 3, 2, 3], 7, 32, seed=w) for w in range(2)]
     out: dict[str, Any] = {}
     loops: dict[str, Builder] = {
-        "loss / k": fixed(per_microbatch_mean), "gradaccum today": make_today(k),
-        "rolling by hand": fixed(rolling_loop), "two passes by hand": fixed(two_pass_loop),
-        **{f"gradaccum.moe {mode}": partial(Library, steps=k, mode=mode, loss=wide_loss) for mode in MODES}}
-    for coef in (0.5, 0.01):
+        "loss_over_k": fixed(per_microbatch_mean), "today": make_today(k),
+        "rolling_by_hand": fixed(rolling_loop), "two_passes_by_hand": fixed(two_pass_loop),
+        **{mode: partial(Library, steps=k, mode=mode, loss=wide_loss) for mode in MODES}}
+    out["coefs"] = [0.5, 0.01]
+    out["rows"] = {name: {} for name in loops}
+    for coef in out["coefs"]:
         base = tiny_qwen3_moe(torch.float64, coef=coef)
         ref = trained(base, fixed(window_reference), data)
-        out[str(coef)] = {name: param_diff(trained(base, build, data), ref) for name, build in loops.items()}
+        for name, build in loops.items():
+            out["rows"][name][f"coef{out['coefs'].index(coef)}"] = param_diff(trained(base, build, data), ref)
     # The floor of any accumulator on this model: no balancing loss (coef 0), the LM loss alone
     # through Accumulator.backward against the whole window (Hugging Face's float32 attention
     # softmax rounds its gradient with the scale of the backward's seed)
@@ -311,7 +316,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="exactness,cost,memory,training")
+    parser.add_argument("--parts", default=",".join(PARTS), help="rerun some (the file keeps the others)")
     parser.add_argument("--steps", type=int, default=4, help="micro-batches per window")
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=32)
@@ -340,8 +345,8 @@ def main() -> None:
     if "exactness" in parts:
         results["exactness"] = ex = exactness(args)
         print("\n| loop | coef 0.5 | coef 0.01 |\n|---|---|---|")
-        for name in ex["0.5"]:
-            print(f"| {name} | {ex['0.5'][name]:.1e} | {ex['0.01'][name]:.1e} |")
+        for name, row in ex["rows"].items():
+            print(f"| {name} | {row['coef0']:.1e} | {row['coef1']:.1e} |")
         print(f"(Hugging Face's float32 balancing loss, from float64: {ex['hf_float32_aux']:.1e}; "
               f"any accumulator without a balancing loss: {ex['accumulator_floor']:.1e})")
     if "cost" in parts:
@@ -371,6 +376,9 @@ def main() -> None:
                   f"{row['tail_micro_balance']:.3f} |")
     results["setup"] = {k: v for k, v in vars(args).items() if k not in ("json", "parts")}
     if args.json is not None:
+        if args.json.exists() and set(parts) != set(PARTS):  # a part rerun: the others kept
+            kept = json.loads(args.json.read_text())
+            results = {**kept, **{k: v for k, v in results.items() if k in parts}}
         write_results(args.json, results)
 
 
