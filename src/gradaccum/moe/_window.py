@@ -73,6 +73,7 @@ class PreparedWindow:
         self._cum_tokens: Any = 0
         self.load: torch.Tensor | None = None
         self.fed_items: Any = 0  # the n_items the user's backward calls gave (checked at the end)
+        self.done = False  # the accumulator applied the window (its boundary hook)
 
     # ------------------------------------------------------------------ counts
     def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:

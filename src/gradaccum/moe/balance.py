@@ -111,6 +111,7 @@ class LoadBalance:
         self._pre: tuple[int, PreparedWindow, set[int]] | None = None  # in a pre-pass forward
         self._acc: Accumulator | None = None
         self._feed_handle: RemovableHandle | None = None
+        self._boundary_handle: Any = None
         self._early_stop = not _distributed(model)
         switch_aux_off(found.config)
         self._handles = [m.register_forward_hook(self._router_hook) for m in found.modules]
@@ -139,6 +140,7 @@ class LoadBalance:
         self._handles = []
         if self._feed_handle is not None:
             self._feed_handle.remove()
+            self._boundary_handle.remove()
             self._feed_handle = None
 
     def windows(self, loader: Iterable[Any], acc: Accumulator, *, forward: Callable[[Any], Any] | None = None,
@@ -206,8 +208,14 @@ class LoadBalance:
             return
         if self._feed_handle is not None:
             self._feed_handle.remove()
+            self._boundary_handle.remove()
         self._acc = acc
         self._feed_handle = acc.register_feed_hook(self._before_backward)
+        self._boundary_handle = acc.register_boundary_hook(self._at_boundary)
+
+    def _at_boundary(self, acc: Any) -> None:
+        if self._window is not None:
+            self._window.done = True  # applied: a later micro-batch is not this window's
 
     def _prepare(self, batches: list[Any], acc: Accumulator, run: Callable[[Any], Any],
                  mask_of: Callable[[Any], Any], n_items: Callable[[Any], Any] | None
@@ -275,9 +283,10 @@ class LoadBalance:
             return None
         assert window is not None and self._acc is not None
         j = self._acc.micro_step
-        if j >= window.size:
-            raise ValueError(f"a forward of micro-batch {j + 1} in a window LoadBalance prepared with "
-                             f"{window.size}: feed the window's micro-batches as windows() gives them")
+        if j >= window.size or window.done:
+            raise ValueError(f"a forward of one more micro-batch than the {window.size} of the window "
+                             "LoadBalance prepared: a window that differs from the one prepared (feed "
+                             "the window's micro-batches as windows() gives them); nothing has changed")
         if not _in_backward():  # a checkpoint's recomputation was counted in the forward
             self._count(window, window.seen_routes, j, layer, rows)
         if not torch.is_grad_enabled():
@@ -301,9 +310,10 @@ class LoadBalance:
                 "micro-batches inside `for window in balance.windows(loader, acc): for batch in "
                 "window: acc.backward(...)`; nothing has changed")
         j = feed.micro_step
-        if j >= window.size:
-            raise ValueError(f"micro-batch {j + 1} of a window LoadBalance prepared with {window.size}: "
-                             "a window that differs from the one prepared; nothing has changed")
+        if j >= window.size or window.done:
+            raise ValueError(f"a backward of one more micro-batch than the {window.size} of the window "
+                             "LoadBalance prepared: a window that differs from the one prepared; nothing "
+                             "has changed")
         if window.masks[j] is None and window.rows[j] is None:
             raise ValueError("no router ran in this micro-batch's forward")
         slot = window.fill(j)
