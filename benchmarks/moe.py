@@ -40,6 +40,7 @@ from gradaccum.bench.machine import describe_machine
 from gradaccum.bench.measure import allocator_memory, interleaved
 from gradaccum.bench.moe import (
     Batch,
+    TokenMoE,
     domain_batches,
     hand_loop,
     lm_sum,
@@ -76,17 +77,24 @@ class Library:
     window per call through ``balance.windows`` (the loop of docs/MOE.md)."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, steps: int, mode: str,
-                 loss: Callable[[nn.Module, Batch], torch.Tensor] = hf_loss, **kw: Any) -> None:
+                 loss: Callable[[nn.Module, Batch], torch.Tensor] = hf_loss,
+                 forward: Callable[[Batch], Any] | None = None, mask: Callable[[Batch], Any] | None = None,
+                 **kw: Any) -> None:
         from gradaccum.moe import LoadBalance
 
-        self.model, self.loss = model, loss
+        self.model, self.loss, self.forward, self.mask = model, loss, forward, mask
         self.balance = LoadBalance(model, mode=mode, **kw)
         self.acc = gradaccum.Accumulator(opt, steps)
 
     def __call__(self, model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
-        for part in self.balance.windows(window, self.acc, n_items=tokens):
+        summed = counted = 0.0
+        parts = self.balance.windows(window, self.acc, n_items=tokens, forward=self.forward, mask=self.mask)
+        for part in parts:
             for batch in part:
-                self.acc.backward(self.loss(self.model, batch), n_items=tokens(batch))
+                loss, n = self.loss(self.model, batch), tokens(batch)
+                self.acc.backward(loss, n_items=n)
+                summed, counted = summed + float(loss.detach()) * float(n), counted + float(n)
+        self.lm_loss = summed / counted  # the window's token-weighted LM loss, for the training run
 
 
 def per_microbatch_mean(model: nn.Module, window: Sequence[Batch], opt: torch.optim.Optimizer) -> None:
@@ -238,19 +246,19 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class Loads:
-    """The routes each gate chose, per layer, counted by forward hooks on Qwen3-MoE's routers,
-    for the window (unmasked: the training data has no padding) and per micro-batch."""
+    """The routes each router chose, per layer, counted by forward hooks on the routers' logits,
+    for the window (the training data has no padding) and per micro-batch; the pre-pass (no grad)
+    is not counted."""
 
-    def __init__(self, model: nn.Module, experts: int) -> None:
-        self.experts, self.now, self.micro = experts, None, []
-        gates = [layer.mlp.gate for layer in model.model.layers]
-        self.counts = torch.zeros(len(gates), experts, dtype=torch.float64)
-        for i, gate in enumerate(gates):
-            gate.register_forward_hook(lambda mod, inp, out, i=i: self._add(i, out[2]))
-        self.recording = False
+    def __init__(self, routers: Sequence[nn.Module], experts: int, top_k: int) -> None:
+        self.experts, self.top_k, self.micro = experts, top_k, []
+        self.counts = torch.zeros(len(routers), experts, dtype=torch.float64)
+        for i, router in enumerate(routers):
+            router.register_forward_hook(lambda mod, inp, out, i=i: self._add(i, out))
 
-    def _add(self, layer: int, chosen: torch.Tensor) -> None:
-        if self.recording and torch.is_grad_enabled():  # the training forward, not a pre-pass
+    def _add(self, layer: int, logits: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # the training forward, not a pre-pass
+            chosen = logits.detach().topk(self.top_k, dim=-1).indices
             c = torch.bincount(chosen.reshape(-1), minlength=self.experts).double()
             self.counts[layer] += c
             self.micro.append(float(c.max() / c.mean()))
@@ -264,21 +272,24 @@ class Loads:
         return balance, micro
 
 
+def next_token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The mean next-token loss of :class:`gradaccum.bench.moe.TokenMoE` over a micro-batch."""
+    return lm_sum(model(batch["input_ids"]), batch["labels"]) / tokens(batch)
+
+
 def heldout_loss(model: nn.Module, windows: Sequence[Sequence[Batch]]) -> float:
     total = n = 0.0
     with torch.no_grad():
         for window in windows:
             for b in window:
-                out = model(**b)
                 t = float(tokens(b))
-                total, n = total + float(out.loss) * t, n + t
+                total, n = total + float(next_token_loss(model, b)) * t, n + t
     return total / n
 
 
 def training(args: argparse.Namespace) -> dict[str, Any]:
     """"global" against "micro_batch" on domain-structured micro-batches, AdamW, same start."""
-    base = tiny_qwen3_moe(torch.float32, experts=args.experts, hidden=args.hidden, vocab=args.train_vocab,
-                          layers=args.layers, coef=args.train_coef, seed=1)
+    base = TokenMoE(args.train_vocab, args.hidden, args.experts, 2, args.layers, seed=1)
     n = args.train_windows * args.steps
     data = domain_batches(n, args.batch, args.seq, args.train_vocab, args.domains, seed=7)
     windows = [data[i: i + args.steps] for i in range(0, n, args.steps)]
@@ -288,19 +299,17 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("global", "micro_batch"):
         torch.manual_seed(0)
         model = copy.deepcopy(base)
+        routers = list(model.routers)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        loop = Library(model, opt, args.steps, mode)
-        loads = Loads(model, args.experts)
+        loop = Library(model, opt, args.steps, mode, loss=next_token_loss, routers=routers, top_k=2,
+                       coef=args.train_coef, forward=lambda b, model=model: model(b["input_ids"]),
+                       mask=lambda b: b["attention_mask"])
+        loads = Loads(routers, args.experts, 2)
         curve = []
         for window in windows:
-            loads.recording = True
-            with torch.no_grad():
-                lm = sum(float(model(**b).loss) * float(tokens(b)) for b in window) / sum(
-                    float(tokens(b)) for b in window)
-            loads.take()  # the loss's forward is not the window's training routes
             loop(model, window, opt)
             balance, micro = loads.take()
-            curve.append({"loss": round(lm, 4), "balance": [round(x, 3) for x in balance],
+            curve.append({"loss": round(loop.lm_loss, 4), "balance": [round(x, 3) for x in balance],
                           "micro_balance": round(micro, 3)})
         last = curve[-args.tail:]
         out[mode] = {

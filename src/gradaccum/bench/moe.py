@@ -109,6 +109,40 @@ def _router_wide(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, 
     return logits, top / top.sum(dim=-1, keepdim=True), chosen
 
 
+class TokenMoE(nn.Module):
+    """A causal token model of one's own: an embedding, ``layers`` token-choice MoE layers (a linear
+    ``router`` whose output is the logits, ``top_k`` of ``experts`` tanh experts weighted by their
+    softmax probabilities, a residual; each token sees the previous one through a shift), a head.
+    Much cheaper per call than a Hugging Face model: the training run's model."""
+
+    def __init__(self, vocab: int, hidden: int = 32, experts: int = 8, top_k: int = 2, layers: int = 2,
+                 seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.top_k = top_k
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mix = nn.ModuleList(nn.Linear(2 * hidden, hidden) for _ in range(layers))
+        self.routers = nn.ModuleList(nn.Linear(hidden, experts, bias=False) for _ in range(layers))
+        self.experts = nn.ModuleList(nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+                                     for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` of the next token."""
+        x = self.embed(ids)
+        for mix, router, experts in zip(self.mix, self.routers, self.experts, strict=True):
+            previous = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+            x = x + torch.tanh(mix(torch.cat([x, previous], dim=-1)))
+            flat = x.reshape(-1, x.shape[-1])
+            weights, chosen = router(flat).softmax(-1).topk(self.top_k, dim=-1)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                out = out.index_add(0, rows, weights[rows, slot, None] * torch.tanh(expert(flat[rows])))
+            x = x + out.view_as(x)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
 def padded_batches(sizes: Sequence[int], seq: int, vocab: int, seed: int) -> list[Batch]:
     """Micro-batches of ``sizes[j]`` right-padded sequences of ``seq`` tokens (lengths differ).
 
