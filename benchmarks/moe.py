@@ -333,7 +333,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-windows", type=int, default=200)
