@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from gradaccum.bench.moe import lm_sum, padded_batches, tiny_qwen3_moe, window_reference  # noqa: E402
+from gradaccum.bench.moe import lm_sum, padded_batches, tiny_qwen3_moe, window_reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "MOE.md"
 SIZES, STEPS, WINDOWS = [3, 3, 2, 3], 4, 3
@@ -56,7 +56,8 @@ def reference(base, loader):
 
 
 def max_diff(a, b):
-    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max(float((p - q).detach().abs().max()) for p, q in pairs)
 
 
 @pytest.fixture(scope="module")
