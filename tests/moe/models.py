@@ -49,6 +49,29 @@ def mixtral(seed: int = 0, wide: bool = True) -> nn.Module:
     return _decisive(MixtralForCausalLM(config).double(), wide)
 
 
+def qwen2_moe(seed: int = 0) -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                            shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=COEF, decoder_sparse_step=1, max_position_embeddings=64,
+                            attn_implementation="sdpa", experts_implementation="eager")
+    return _decisive(Qwen2MoeForCausalLM(config).double())
+
+
+def olmoe(seed: int = 0) -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = OlmoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=COEF, max_position_embeddings=64, eos_token_id=1,
+                         pad_token_id=1, attn_implementation="sdpa", experts_implementation="eager")
+    return _decisive(OlmoeForCausalLM(config).double())
+
+
 def _decisive(model: nn.Module, wide: bool = True) -> nn.Module:
     """Router weights drawn wide, so that no two experts tie for a token (a tie would make the
     top-k choice depend on rounding), the routers computing in float64 (``wide``), and the model
@@ -252,11 +275,13 @@ def outputs_loss(out: Any) -> torch.Tensor:
 def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mode: str, top_k: int,
               per_layer: bool = False, coef: float = COEF,
               after: Callable[[nn.Module, torch.Tensor], None] | None = None, whole: bool = False,
-              items_weighted: bool = True) -> dict[str, Any]:
+              items_weighted: bool = True, ranks: int = 1) -> dict[str, Any]:
     """One process, by hand: each window's loss written out (the LM loss over every token of the
     window plus the balancing loss of ``mode``), one backward per window (``"global"``) or per
     micro-batch (the one-pass modes), clip, step, schedule. The LM loss is the mean over the
-    window's tokens (``items_weighted``) or the mean of the micro-batches' means."""
+    window's tokens (``items_weighted``) or the mean of the micro-batches' means. With ``ranks``,
+    a window's micro-batches are the ranks' in rank order (rank r's j-th at ``r * k + j``), and
+    "rolling" counts micro-batch j of every rank before their backward (as the ranks do)."""
     model = copy.deepcopy(model)
     routers = routers_of(model)
     opt, sched = make_opt(model)
@@ -284,24 +309,29 @@ def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mo
             loss.backward()
             load = counts
         else:
-            cum = None
+            cum: Any = 0.0
             cum_tokens = 0.0
-            for b in micro:
-                with Logits(routers) as rec:
-                    out = model(**b)
-                logits = out["logits"] if isinstance(out, dict) else out.logits
-                counts, sums = stats(rec.seen, b["attention_mask"], top_k)
-                own = float(b["attention_mask"].sum())
-                if mode == "rolling":
-                    cum = counts if cum is None else cum + counts
-                    cum_tokens += own
-                    aux = balance_loss(cum, sums, cum_tokens, tokens, top_k, per_layer, coef)
-                else:  # micro_batch: its own loss, times its share of the window's tokens
-                    aux = balance_loss(counts, sums, own, own, top_k, per_layer, coef) * (own / tokens)
-                lm = (lm_loss(logits, b["labels"], "sum") / items if items_weighted
-                      else lm_loss(logits, b["labels"]) / len(micro))
-                (lm + aux).backward()
-                load = counts if load.numel() == 0 else load + counts
+            k = len(micro) // ranks
+            for j in range(k):  # micro-batch j of every rank
+                step = [micro[r * k + j] for r in range(ranks)]
+                outs = []
+                for b in step:
+                    with Logits(routers) as rec:
+                        out = model(**b)
+                    logits = out["logits"] if isinstance(out, dict) else out.logits
+                    outs.append((b, logits, *stats(rec.seen, b["attention_mask"], top_k)))
+                cum = cum + sum(o[2] for o in outs)
+                cum_tokens += sum(float(b["attention_mask"].sum()) for b in step)
+                for b, logits, counts, sums in outs:
+                    own = float(b["attention_mask"].sum())
+                    if mode == "rolling":
+                        aux = balance_loss(cum, sums, cum_tokens, tokens, top_k, per_layer, coef)
+                    else:  # micro_batch: its own loss, times its share of the window's tokens
+                        aux = balance_loss(counts, sums, own, own, top_k, per_layer, coef) * (own / tokens)
+                    lm = (lm_loss(logits, b["labels"], "sum") / items if items_weighted
+                          else lm_loss(logits, b["labels"]) / len(micro))
+                    (lm + aux).backward()
+                    load = counts if load.numel() == 0 else load + counts
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         sched.step()
@@ -311,8 +341,8 @@ def reference(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], mo
 
 
 def train(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], steps: int, items: bool = True,
-          after_window: Callable[[nn.Module, torch.Tensor], None] | None = None, **balance_kw: Any
-          ) -> dict[str, Any]:
+          after_window: Callable[[nn.Module, torch.Tensor], None] | None = None, hf_loss: bool = False,
+          **balance_kw: Any) -> dict[str, Any]:
     """The library's loop: ``LoadBalance`` over ``acc.backward`` of each micro-batch's own loss."""
     model = copy.deepcopy(model)
     opt, sched = make_opt(model)
@@ -331,7 +361,8 @@ def train(model: nn.Module, windows: list[list[dict[str, torch.Tensor]]], steps:
             # The LM loss in float64 from the logits: Hugging Face's own (outputs.loss) is
             # computed in float32 (ForCausalLMLoss upcasts to float32 only), 1e-8 off.
             out = model(**batch)
-            loss = lm_loss(out["logits"] if isinstance(out, dict) else out.logits, batch["labels"])
+            loss = (out.loss if hf_loss else
+                    lm_loss(out["logits"] if isinstance(out, dict) else out.logits, batch["labels"]))
             acc.backward(loss, n_items=count(batch) if items else None)
     return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms, "acc": acc,
             "balance": balance, "model": model}

@@ -9,7 +9,7 @@ accumulator's feed hook asks it for the slot of a micro-batch (:meth:`PreparedWi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from gradaccum.core.balance import count_scale
 from gradaccum.moe._inject import Slot
 from gradaccum.torch.cached.replay import RngStates
 
-__all__ = ["Batches", "PreparedWindow", "all_reduce_sum"]
+__all__ = ["Batches", "PreparedWindow", "all_reduce_sum", "mask_rows"]
 
 
 class Batches(list):  # type: ignore[type-arg]
@@ -49,9 +49,8 @@ class PreparedWindow:
     Args:
         size: its micro-batches.
         masks: each micro-batch's row mask (float64, flattened), or None (every row counts).
-        tokens: this rank's tokens per micro-batch (the masks' sums), or None (counted in the
-            pre-pass, from the routers' rows).
-        shape: ``(layers, experts, top_k, per_layer, coef, mode)``.
+        shape: ``(layers, experts, top_k, per_layer, coef, mode)`` (experts None: read from
+            the first routes counted).
         world_size: the ranks.
     """
 
@@ -194,5 +193,3 @@ def mask_rows(mask: Any) -> torch.Tensor | None:
         raise TypeError(f"mask must give a tensor (the batch's token mask), got {type(mask).__name__}")
     return mask.detach().reshape(-1).to(torch.float64)
 
-
-Counter = Callable[[Any], Any]

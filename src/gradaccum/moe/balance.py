@@ -71,6 +71,10 @@ class LoadBalance:
         load: the last window's routes per layer and expert, summed over the ranks (float64
             ``(layers, experts)``; None before the first window).
         mode: the mode given.
+        model: the model given.
+        coef: the loss's coefficient (given, or the config's).
+        top_k: routes per token (given, or the config's).
+        per_layer: the layers' losses summed (True) or pooled (False).
 
     Raises:
         TypeError, ValueError: no router found and none given, a misspelled mode, ``coef`` < 0
@@ -339,7 +343,7 @@ class LoadBalance:
             weight = seed * window.items if feed.reduction == "sum" else seed * window.items / n
         scaler = self._acc.scaler if self._acc is not None else None
         if scaler is not None and scaler.is_enabled():
-            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float32))
+            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float64))
         return weight
 
     def _check_items(self, window: PreparedWindow) -> None:
