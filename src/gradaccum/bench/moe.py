@@ -136,7 +136,8 @@ class TokenMoE(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             weights, chosen = router(flat).softmax(-1).topk(self.top_k, dim=-1)
             out = torch.zeros_like(flat)
-            for e, expert in enumerate(experts):
+            layer: Any = experts
+            for e, expert in enumerate(layer):
                 rows, slot = (chosen == e).nonzero(as_tuple=True)
                 out = out.index_add(0, rows, weights[rows, slot, None] * torch.tanh(expert(flat[rows])))
             x = x + out.view_as(x)
