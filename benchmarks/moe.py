@@ -323,7 +323,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help="rerun some (the file keeps the others)")
     parser.add_argument("--steps", type=int, default=4, help="micro-batches per window")
@@ -343,7 +343,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--tail", type=int, default=50, help="the last windows the summary averages")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = describe_machine()
     for key, value in machine.items():
@@ -389,6 +389,7 @@ def main() -> None:
             kept = json.loads(args.json.read_text())
             results = {**kept, **{k: v for k, v in results.items() if k in parts}}
         write_results(args.json, results)
+    return results
 
 
 if __name__ == "__main__":
