@@ -80,6 +80,20 @@ def test_another_batch_in_a_global_window_raises_before_its_backward():
     assert_unchanged(model, acc, before)
 
 
+def test_a_training_forward_before_windows_raises_and_evaluation_does_not():
+    model, _, balance = setup()
+    batch = batches(0)[0]
+    with pytest.raises(RuntimeError, match=r"outside balance\.windows"):
+        model(**batch)
+    with torch.no_grad():
+        model(**batch)
+    model.eval()
+    model(**batch)
+    balance.remove()
+    model.train()
+    model(**batch)
+
+
 def test_backward_outside_windows_raises():
     model, acc, balance = setup()
     data = batches(0)
@@ -148,3 +162,12 @@ def test_the_one_pass_modes_need_a_mask():
     loader = [b["input_ids"] for b in batches(0)]
     with pytest.raises(ValueError, match="needs each batch's token mask"):
         next(iter(balance.windows(loader, acc, forward=lambda ids: model(ids))))
+
+
+def test_counts_given_to_backward_that_differ_from_the_count_function_raise_at_the_window_end():
+    model, acc, balance = setup()
+    with pytest.raises(ValueError, match=r"n_items given to acc\.backward sum to"):
+        for window in balance.windows(batches(0), acc, n_items=count):
+            for batch in window:
+                loss = lm_loss(model(**batch)["logits"], batch["labels"])
+                acc.backward(loss, n_items=count(batch) + 1)

@@ -73,6 +73,7 @@ class PreparedWindow:
         self.load: torch.Tensor | None = None
         self.fed_items: Any = 0  # the n_items the user's backward calls gave (checked at the end)
         self.done = False  # the accumulator applied the window (its boundary hook)
+        self._counted: set[int] = set()  # micro-batches whose n_items were added to fed_items
 
     # ------------------------------------------------------------------ counts
     def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:
@@ -148,19 +149,64 @@ class PreparedWindow:
             assert self.weights is not None
             slot.a = self.weights
         elif self.mode == "rolling":
-            counts = seen if seen is not None else self._zeros(None)
-            both = torch.cat([counts.reshape(-1).cpu(), torch.tensor([float(self.rows[j] or 0)],
-                                                                      dtype=torch.float64)])
-            if self.world_size > 1:
+            routes = seen if seen is not None else self._zeros(None)
+            tokens = float(self.rows[j] or 0)
+            if self.world_size > 1:  # this micro-batch's routes and tokens on every rank: one all-reduce
+                both = torch.cat([routes.reshape(-1).cpu(), torch.tensor([tokens], dtype=torch.float64)])
                 both = all_reduce_sum(both.to(_collective_device()), self.world_size).cpu()
-            routes = both[:-1].reshape(counts.shape).to(counts.device)
+                routes, tokens = both[:-1].reshape(routes.shape).to(routes.device), float(both[-1])
             self._cum = routes if self._cum is None else self._cum + routes
-            self._cum_tokens = self._cum_tokens + float(both[-1])
+            self._cum_tokens = self._cum_tokens + tokens
             slot.a = self.weigh(self._cum, self._cum_tokens)
         else:
             counts = seen if seen is not None else self._zeros(None)
             slot.a = self.weigh(counts, float(self.rows[j] or 0))
         return slot
+
+    def weight(self, feed: Any, scaler: Any) -> Any:
+        """What micro-batch ``feed.micro_step``'s closed-form gradient is multiplied by so that,
+        after the boundary's normalization and the ranks' average, it weighs exactly 1
+        (torch/_weights.py): the backward's seed times the window's total over its count (the
+        mean weighting's total: micro-batches times ranks), times an active scaler's scale.
+
+        Raises:
+            ValueError: an item-weighted backward, and no count function given to windows().
+        """
+        seed = 1.0 if feed.seed is None else feed.seed
+        if feed.n_items is None:
+            weight = seed * (self.size * self.world_size)
+        else:
+            if self.items is None:
+                raise ValueError(
+                    f"acc.backward(..., n_items={feed.n_items!r}) weighs the window by items, but "
+                    "balance.windows() was given no n_items=: pass the count function, e.g. "
+                    "n_items=lambda batch: gradaccum.count_tokens(batch['labels'], shift=True); "
+                    "nothing has changed")
+            n = feed.n_items
+            if feed.micro_step not in self._counted:  # a micro_batch() block's backwards count once
+                self._counted.add(feed.micro_step)
+                self.fed_items = self.fed_items + (n.detach().to(torch.float64) if isinstance(n, torch.Tensor)
+                                                   else float(n))
+            weight = seed * self.items if feed.reduction == "sum" else seed * self.items / n
+        if scaler is not None and scaler.is_enabled():
+            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float64))
+        return weight
+
+    def check_items(self) -> None:
+        """At the window's end: the ``n_items`` the backward calls gave are what windows()'s count
+        function counted (this rank's; one host read per window).
+
+        Raises:
+            ValueError: they differ: the balancing gradient's weight used the wrong total.
+        """
+        if self.items is None or not self.items_local or not self._counted:
+            return
+        given = float(self.fed_items)
+        expected = sum(float(n) for n in self.items_local)
+        if abs(given - expected) > 1e-9 * max(expected, 1.0):
+            raise ValueError(f"the n_items given to acc.backward sum to {given:g} on this rank but "
+                             f"balance.windows(n_items=...) counts {expected:g}: give windows() the count "
+                             "function your backward uses")
 
     def close(self) -> torch.Tensor:
         """The window's load (routes per layer and expert, every rank), at its boundary."""

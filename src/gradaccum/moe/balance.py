@@ -200,7 +200,7 @@ class LoadBalance:
                 elif acc.micro_step:
                     raise RuntimeError(f"the window's {len(batches)} micro-batches were not all fed "
                                        f"({acc.micro_step} were): feed each through acc.backward")
-                self._check_items(window)
+                window.check_items()
                 self.load = window.close()
             finally:
                 self._window = None
@@ -267,7 +267,13 @@ class LoadBalance:
         layer = self._layer[id(module)]
         pre, window = self._pre, self._window
         if pre is None and window is None:
-            return None  # a forward outside windows() (evaluation): nothing to count or add
+            if torch.is_grad_enabled() and module.training:
+                raise RuntimeError(
+                    "a training forward of a model balanced by LoadBalance outside balance.windows(): "
+                    "its balancing gradient would be missing; train inside `for window in "
+                    "balance.windows(loader, acc): for batch in window: acc.backward(...)` (evaluate "
+                    "under torch.no_grad() or model.eval(); balance.remove() takes the hooks off)")
+            return None  # an evaluation forward: nothing to count or add
         logits = logits_of(output, self._found.index, module)
         rows = logits.reshape(-1, logits.shape[-1])
         if self._experts is None:
@@ -321,40 +327,7 @@ class LoadBalance:
         if window.masks[j] is None and window.rows[j] is None:
             raise ValueError("no router ran in this micro-batch's forward")
         slot = window.fill(j)
-        slot.weight = self._weight(feed, window)
-
-    def _weight(self, feed: Feed, window: PreparedWindow) -> Any:
-        """What the closed-form gradient is multiplied by so that, after the boundary's
-        normalization and the ranks' average, it weighs exactly 1 (torch/_weights.py): the
-        backward's seed times the window's total over this micro-batch's count."""
-        seed = 1.0 if feed.seed is None else feed.seed
-        if feed.n_items is None:
-            weight = seed * (window.size * window.world_size)
-        else:
-            if window.items is None:
-                raise ValueError(
-                    f"acc.backward(..., n_items={feed.n_items!r}) weighs the window by items, but "
-                    "balance.windows() was given no n_items=: pass the count function, e.g. "
-                    "n_items=lambda batch: gradaccum.count_tokens(batch['labels'], shift=True); "
-                    "nothing has changed")
-            n = feed.n_items
-            window.fed_items = window.fed_items + (n.detach().to(torch.float64) if isinstance(n, torch.Tensor)
-                                                   else float(n))
-            weight = seed * window.items if feed.reduction == "sum" else seed * window.items / n
-        scaler = self._acc.scaler if self._acc is not None else None
-        if scaler is not None and scaler.is_enabled():
-            weight = scaler.scale(torch.as_tensor(weight, dtype=torch.float64))
-        return weight
-
-    def _check_items(self, window: PreparedWindow) -> None:
-        if window.items is None or not window.items_local:
-            return
-        given = float(window.fed_items)
-        expected = sum(float(n) for n in window.items_local)
-        if given and abs(given - expected) > 1e-9 * max(expected, 1.0):
-            raise ValueError(f"the n_items given to acc.backward sum to {given:g} on this rank but "
-                             f"balance.windows(n_items=...) counts {expected:g}: give windows() the count "
-                             "function your backward uses")
+        slot.weight = window.weight(feed, None if self._acc is None else self._acc.scaler)
 
 
 def _distributed(model: nn.Module) -> bool:
