@@ -32,7 +32,7 @@ from tests.doc_binding import (
 MEASURED_PAGES = {
     "README.md", "SEED_EXPERIMENT.md", "MEMORY.md", "LANGUAGE_MODELS.md", "MINDSPORE.md",
     "BENCHMARKS.md", "LIGHTNING.md", "PRECISION.md", "DISTRIBUTED.md", "BATCHNORM.md", "GUIDE.md",
-    "CHECK.md", "INTEGRATIONS.md", "TESTING.md",
+    "CHECK.md", "INTEGRATIONS.md", "TESTING.md", "MOE.md",
 }
 # A measured-looking number: a decimal mantissa with an exponent (2.1e-2, 9.1e-16). Round
 # tolerances (1e-12) and settings have no decimal mantissa.
