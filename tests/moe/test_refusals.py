@@ -171,3 +171,23 @@ def test_counts_given_to_backward_that_differ_from_the_count_function_raise_at_t
             for batch in window:
                 loss = lm_loss(model(**batch)["logits"], batch["labels"])
                 acc.backward(loss, n_items=count(batch) + 1)
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling", "micro_batch"])
+def test_backward_pipeline_with_a_balance_is_refused_before_anything_changes(mode):
+    # A schedule's backward passes do not call the accumulator's feed hooks: the balancing
+    # gradient would be missing (the router's backward raised on one rank, the others hung).
+    model, acc, balance = setup(mode=mode)
+    before = snapshot(model)
+
+    class Schedule:  # never read: the refusal comes first
+        pass
+
+    for window in balance.windows(batches(0)[:3], acc, n_items=count):
+        with pytest.raises(NotImplementedError, match=r"two-pass recipe by hand of docs/MOE\.md"):
+            acc.backward_pipeline(Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        break
+    assert_unchanged(model, acc, before)
+    balance.remove()
+    with pytest.raises(TypeError, match="schedule must be a torch.distributed.pipelining"):
+        acc.backward_pipeline(Schedule(), batches(0)[0]["input_ids"])  # the twin: on to its checks
