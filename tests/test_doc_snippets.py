@@ -230,6 +230,7 @@ def test_the_blocks_that_cannot_run_here():
     assert {(b.page, b.needs[0]) for b in marked} == {
         ("docs/DISTRIBUTED.md", "cuda"),
         ("docs/MINDSPORE.md", "msrun"),
+        ("docs/MOE.md", "torchrun"),
         ("docs/PRECISION.md", "cuda"),
     }
 
