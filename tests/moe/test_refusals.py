@@ -189,5 +189,5 @@ def test_backward_pipeline_with_a_balance_is_refused_before_anything_changes(mod
         break
     assert_unchanged(model, acc, before)
     balance.remove()
-    with pytest.raises(TypeError, match="schedule must be a torch.distributed.pipelining"):
+    with pytest.raises(TypeError, match=r"schedule must be a torch\.distributed\.pipelining"):
         acc.backward_pipeline(Schedule(), batches(0)[0]["input_ids"])  # the twin: on to its checks
