@@ -122,7 +122,7 @@ class Stages:
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        virtual = 2 if kind == "interleaved" else 1
+        virtual = 2 if kind in ("interleaved", "zb") else 1
         self.n_stages = world * virtual
         self.indices = stage_indices(rank, world, virtual)
         full = full_model(self.n_stages)
@@ -260,14 +260,25 @@ def valid(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return batch[1] != PAD
 
 
-def balanced(rank: int, world: int, kind: str, mode: str, items: bool = True) -> dict[str, Any]:
+def balanced(rank: int, world: int, kind: str, mode: str, items: bool = True,
+             reentrant: bool | None = None) -> dict[str, Any]:
     """``LoadBalance`` under ``backward_pipeline``: every rank loads the whole batch (its mask and
-    counts), the first stage its tokens, the last its labels."""
+    counts), the first stage its tokens, the last its labels; ``reentrant``: each MoE layer under
+    activation checkpointing (its router recomputed in the backward)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
     import gradaccum
     from gradaccum.bench.pipeline import token_mean
     from gradaccum.moe import LoadBalance
 
     pipe = Stages(kind, rank, world, token_sum if items else token_mean)
+    if reentrant is not None:
+        for m in pipe.model.modules():
+            if isinstance(m, MoE):
+                m.forward = functools.partial(  # type: ignore[method-assign]
+                    checkpoint, m.forward, use_reentrant=reentrant)
     acc = gradaccum.Accumulator(sgd(pipe.model.parameters()), steps=STEPS, model=pipe.model)
     balance = LoadBalance(pipe.model, routers=routers(pipe.model), mode=mode, per_layer=True,
                           top_k=TOP_K, coef=COEF, num_experts=EXPERTS)
@@ -352,6 +363,9 @@ if __name__ == "__main__":
         "hand 1f1b inference counted": lambda r, w: hand(r, w, "1f1b", skip_inference=False),
         **{f"balance {kind} {mode}": (lambda r, w, kind=kind, mode=mode: balanced(r, w, kind, mode))
            for kind in ("1f1b", "interleaved") for mode in ("rolling", "micro_batch")},
+        "balance gpipe rolling": lambda r, w: balanced(r, w, "gpipe", "rolling"),
+        "balance zb rolling": lambda r, w: balanced(r, w, "zb", "rolling"),
+        "balance 1f1b rolling checkpoint": lambda r, w: balanced(r, w, "1f1b", "rolling", reentrant=False),
         "balance 1f1b rolling mean": lambda r, w: balanced(r, w, "1f1b", "rolling", items=False),
         "recipe": recipe,
         "refused global": lambda r, w: refused(r, w, "global", True),

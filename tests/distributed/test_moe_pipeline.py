@@ -19,10 +19,13 @@ def ranks(tmp_path_factory):
     return run_ranks("tests.distributed.moe_pipeline_ranks", tmp_path_factory.mktemp("moe_pipeline"))
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
-@pytest.mark.parametrize("mode", ["rolling", "micro_batch"])
-def test_load_balance_under_backward_pipeline_is_exact_per_pipeline_micro_batch(ranks, kind, mode):
-    for r in scenario(ranks, f"balance {kind} {mode}"):
+@pytest.mark.parametrize("name", ["1f1b rolling", "1f1b micro_batch", "interleaved rolling",
+                                  "interleaved micro_batch", "gpipe rolling", "zb rolling",
+                                  "1f1b rolling checkpoint"])
+def test_load_balance_under_backward_pipeline_is_exact_per_pipeline_micro_batch(ranks, name):
+    # zb: ScheduleInterleavedZeroBubble (the input and weight backwards split); checkpoint: each
+    # MoE layer under non-reentrant activation checkpointing (the router recomputed in the backward)
+    for r in scenario(ranks, f"balance {name}"):
         assert r["diff"] < 1e-12, r["diff"]
         assert r["steps"] == 3
         # the twins: the mode's own objective, not the other mode's, the whole window's or none

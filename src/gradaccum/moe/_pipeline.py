@@ -15,8 +15,9 @@ Each stage counts only its own routers (its layers), so only ``per_layer=True`` 
 a collective inside the schedule; ``"global"`` needs a pre-pass of the whole window and is refused,
 as are data-parallel replicas of a stage (their counts would need an all-reduce per pipeline
 micro-batch, inside the backward). :class:`PipeTracker` wraps each stage's ``forward_one_chunk``
-(the chunk being run) and ``_prepare_forward_infra`` (the schedule's metadata inference: a forward
-of a real micro-batch at its first call, which no call trains on: not counted).
+and ``backward_one_chunk`` (the chunk being run) and ``_prepare_forward_infra`` (the schedule's
+metadata inference: a forward of a real micro-batch at its first call, which no call trains on:
+not counted).
 """
 
 from __future__ import annotations
@@ -96,19 +97,15 @@ class PipeTracker:
         self._wrapped: set[int] = set()
 
     def wrap(self, stages: Any) -> None:
-        """Wrap each stage's ``forward_one_chunk`` and ``_prepare_forward_infra`` (once)."""
+        """Wrap each stage's ``forward_one_chunk`` and ``backward_one_chunk`` (the chunk they run:
+        a checkpoint recomputes the router in the backward) and ``_prepare_forward_infra`` (once)."""
         for stage in stages:
             if id(stage) in self._wrapped:
                 continue
             self._wrapped.add(id(stage))
-            forward, infer = stage.forward_one_chunk, stage._prepare_forward_infra
-
-            def forward_one_chunk(chunk: int, *args: Any, forward: Any = forward, **kwargs: Any) -> Any:
-                self.chunk = int(chunk)
-                try:
-                    return forward(chunk, *args, **kwargs)
-                finally:
-                    self.chunk = None
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                setattr(stage, name, self._running(getattr(stage, name)))
+            infer = stage._prepare_forward_infra
 
             def prepare(*args: Any, infer: Any = infer, **kwargs: Any) -> Any:
                 self.inferring = True
@@ -116,8 +113,16 @@ class PipeTracker:
                     return infer(*args, **kwargs)
                 finally:
                     self.inferring = False
-            stage.forward_one_chunk = forward_one_chunk
             stage._prepare_forward_infra = prepare
+
+    def _running(self, method: Any) -> Any:
+        def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            outer, self.chunk = self.chunk, int(chunk)
+            try:
+                return method(chunk, *args, **kwargs)
+            finally:
+                self.chunk = outer
+        return run
 
     def feed(self, window: PreparedWindow, j: int, info: Any, scaler: Any) -> None:
         """Before call ``j``'s ``step()``: the factor that makes its balancing gradient weigh 1

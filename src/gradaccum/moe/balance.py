@@ -51,7 +51,9 @@ class LoadBalance:
     micro-batch it trains another objective. ``LoadBalance`` switches the model's own auxiliary
     loss off and adds the gradient of the window's loss inside each micro-batch's own backward
     (``acc.backward``, ``acc.micro_batch``), with the weight that makes the window's update the
-    large batch's, whatever ``n_items`` the language-model loss uses.
+    large batch's, whatever ``n_items`` the language-model loss uses. Under
+    ``acc.backward_pipeline``, ``"rolling"`` and ``"micro_batch"`` with ``per_layer=True`` run per
+    pipeline micro-batch, each stage's gradient in its own backward (docs/MOE.md, "Pipeline").
 
     Args:
         model: the model (a Hugging Face MoE model: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE; or any
@@ -174,6 +176,8 @@ class LoadBalance:
                 backward item-weighted without ``n_items=``, the model's aux loss turned back on;
                 before the micro-batch's backward.
             RuntimeError: ``acc.backward`` of a balanced model outside ``windows()``.
+            ValueError: ``mode="global"`` with an accumulator of a pipeline stage (its pre-pass
+                would be a run of the schedule): the message names ``"rolling"``.
         """
         if not isinstance(acc, Accumulator):
             raise TypeError(f"acc must be a gradaccum.Accumulator, got {type(acc).__name__}")
