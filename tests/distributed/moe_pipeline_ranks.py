@@ -261,10 +261,11 @@ def valid(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 
 def balanced(rank: int, world: int, kind: str, mode: str, items: bool = True,
-             reentrant: bool | None = None) -> dict[str, Any]:
+             reentrant: bool | None = None, short: bool = False) -> dict[str, Any]:
     """``LoadBalance`` under ``backward_pipeline``: every rank loads the whole batch (its mask and
     counts), the first stage its tokens, the last its labels; ``reentrant``: each MoE layer under
-    activation checkpointing (its router recomputed in the backward)."""
+    activation checkpointing (its router recomputed in the backward); ``short``: the last window
+    one call short (``windows()`` flushes it)."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
@@ -283,6 +284,8 @@ def balanced(rank: int, world: int, kind: str, mode: str, items: bool = True,
     balance = LoadBalance(pipe.model, routers=routers(pipe.model), mode=mode, per_layer=True,
                           top_k=TOP_K, coef=COEF, num_experts=EXPERTS)
     windows = data()
+    if short:
+        windows[-1] = windows[-1][:1]
     loader = [b for window in windows for b in window]
     count = (lambda y: (y != PAD).sum()) if items else None
     loads: list[float] = []
@@ -366,6 +369,9 @@ if __name__ == "__main__":
         "balance gpipe rolling": lambda r, w: balanced(r, w, "gpipe", "rolling"),
         "balance zb rolling": lambda r, w: balanced(r, w, "zb", "rolling"),
         "balance 1f1b rolling checkpoint": lambda r, w: balanced(r, w, "1f1b", "rolling", reentrant=False),
+        "balance 1f1b rolling short": lambda r, w: balanced(r, w, "1f1b", "rolling", short=True),
+        "balance 1f1b micro_batch mean short": lambda r, w: balanced(r, w, "1f1b", "micro_batch",
+                                                                     items=False, short=True),
         "balance 1f1b rolling mean": lambda r, w: balanced(r, w, "1f1b", "rolling", items=False),
         "recipe": recipe,
         "refused global": lambda r, w: refused(r, w, "global", True),

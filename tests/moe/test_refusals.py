@@ -204,3 +204,28 @@ def test_backward_pipeline_refuses_what_a_balance_cannot_do_there_before_anythin
     balance.remove()
     with pytest.raises(RuntimeError, match="schedule internals"):
         acc.backward_pipeline(_Schedule(), batches(0)[0]["input_ids"])  # the twin: on to its checks
+
+
+def test_backward_pipeline_refuses_a_balance_over_data_parallel_stages_before_anything_changes():
+    # a stage's counts would need an all-reduce over its replicas inside the schedule's backward
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Replicated(DistributedDataParallel):  # a DDP stage module, as far as the refusal reads it
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    class Stage:
+        submod, group = Replicated(), None
+
+    class Schedule(_Schedule):
+        _stage = Stage()
+
+    model, acc, balance = setup(mode="rolling", per_layer=True)
+    before = snapshot(model)
+    for window in balance.windows(batches(0)[:3], acc, n_items=count):
+        with pytest.raises(NotImplementedError, match="data-parallel replicas of a stage"):
+            acc.backward_pipeline(Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        with pytest.raises(AttributeError):  # the twin: a plain stage passes the refusals
+            acc.backward_pipeline(_Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        break
+    assert_unchanged(model, acc, before)
