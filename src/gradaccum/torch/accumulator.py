@@ -596,7 +596,10 @@ class Accumulator:
         ``micro_step``, the ``n_items`` and ``reduction`` given, and the ``seed`` the backward
         starts from (None: 1; an active GradScaler's scale multiplies it). For a loss term
         entered inside the user's backward at a weight of its own (``gradaccum.moe``); what the
-        hook raises propagates before the backward runs, with nothing changed.
+        hook raises propagates before the backward runs, with nothing changed. A
+        :meth:`backward_pipeline` call tells it twice, ``feed.pipeline`` a ``PipelineFeed``
+        (torch/_hooks.py): before anything changes (to refuse), and before ``step()`` with the
+        window's weighting (``n_items`` and ``seed`` None).
 
         Returns:
             A handle whose ``remove()`` unregisters the hook.
