@@ -352,7 +352,6 @@ class LoadBalance:
         slot = window.fill(j)
         slot.weight = window.weight(feed, None if self._acc is None else self._acc.scaler)
 
-
     def _before_step(self, window: PreparedWindow, j: int, info: Any) -> None:
         """A ``backward_pipeline`` call: first checked before anything changes (``info.items``
         None), then, right before its ``step()``, its weights."""
