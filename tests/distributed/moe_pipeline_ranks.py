@@ -122,7 +122,7 @@ class Stages:
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        virtual = 2 if kind == "interleaved" else 1
+        virtual = 2 if kind in ("interleaved", "zb") else 1
         self.n_stages = world * virtual
         self.indices = stage_indices(rank, world, virtual)
         full = full_model(self.n_stages)
@@ -206,9 +206,174 @@ def hand(rank: int, world: int, kind: str, skip_inference: bool = True) -> dict[
     return {"diff": pipe.diff(reference(pipe.n_stages, windows))}
 
 
+def chunk_reference(n_stages: int, windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                    mode: str, items: bool = True) -> nn.Sequential:
+    """One process, one step per window on its whole batch, for the one-pass modes under a
+    pipeline: the balancing loss per layer of each pipeline micro-batch (call ``j``, chunk ``c``, in
+    the window's order), over the valid label positions, ``f`` from its own routes
+    (``"micro_batch"``), from the routes of the window's chunks up to it (``"rolling"``) or from the
+    whole window's (``"global"``: the window's loss over its valid tokens), ``P`` its probability
+    sums over the window's tokens; ``"none"``: no balancing loss. The language-model loss: the
+    window's token mean (``items``) or the mean of the chunks' token means."""
+    model = full_model(n_stages)
+    opt = sgd(model.parameters())
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o)) for r in routers(model)]
+    for window in windows:
+        opt.zero_grad(set_to_none=True)
+        seen.clear()
+        tokens = torch.cat([t for t, _ in window])
+        labels = torch.cat([y for _, y in window])
+        out = model(tokens)
+        chunks = [(j * SEQS + idx) for j in range(len(window))
+                  for idx in torch.tensor_split(torch.arange(SEQS), N_MB)]
+        if items:
+            loss = token_sum(out, labels) / (labels != PAD).sum()
+        else:
+            loss = sum(token_sum(out[g], labels[g]) / (labels[g] != PAD).sum() for g in chunks) / len(chunks)
+        valid = (labels != PAD).double()  # (sequences, positions)
+        total = valid.sum()
+        for logits in seen if mode != "none" else []:
+            p = logits.view(*labels.shape, EXPERTS).softmax(-1)
+            chosen = p.detach().topk(TOP_K, dim=-1).indices
+            routes = torch.zeros(*labels.shape, EXPERTS, dtype=torch.float64).scatter_(-1, chosen, 1.0)
+            cum_c, cum_t = torch.zeros(EXPERTS, dtype=torch.float64), 0.0
+            whole = ((routes * valid.unsqueeze(-1)).sum((0, 1)), float(total))
+            for g in chunks:
+                m = valid[g].unsqueeze(-1)
+                c_g, t_g = (routes[g] * m).sum((0, 1)), float(valid[g].sum())
+                cum_c, cum_t = cum_c + c_g, cum_t + t_g
+                c, t = {"micro_batch": (c_g, t_g), "rolling": (cum_c, cum_t), "global": whole}[mode]
+                s_g = (p[g] * m).sum((0, 1))
+                loss = loss + COEF * EXPERTS * (c / (TOP_K * t) * s_g / total).sum()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    for h in hooks:
+        h.remove()
+    return model
+
+
+OTHER = {"rolling": "micro_batch", "micro_batch": "rolling"}
+
+
+def valid(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return batch[1] != PAD
+
+
+def balanced(rank: int, world: int, kind: str, mode: str, items: bool = True,
+             reentrant: bool | None = None, short: bool = False) -> dict[str, Any]:
+    """``LoadBalance`` under ``backward_pipeline``: every rank loads the whole batch (its mask and
+    counts), the first stage its tokens, the last its labels; ``reentrant``: each MoE layer under
+    activation checkpointing (its router recomputed in the backward); ``short``: the last window
+    one call short (``windows()`` flushes it)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    import gradaccum
+    from gradaccum.bench.pipeline import token_mean
+    from gradaccum.moe import LoadBalance
+
+    pipe = Stages(kind, rank, world, token_sum if items else token_mean)
+    if reentrant is not None:
+        for m in pipe.model.modules():
+            if isinstance(m, MoE):
+                m.forward = functools.partial(  # type: ignore[method-assign]
+                    checkpoint, m.forward, use_reentrant=reentrant)
+    acc = gradaccum.Accumulator(sgd(pipe.model.parameters()), steps=STEPS, model=pipe.model)
+    balance = LoadBalance(pipe.model, routers=routers(pipe.model), mode=mode, per_layer=True,
+                          top_k=TOP_K, coef=COEF, num_experts=EXPERTS)
+    windows = data()
+    if short:
+        windows[-1] = windows[-1][:1]
+    loader = [b for window in windows for b in window]
+    count = (lambda y: (y != PAD).sum()) if items else None
+    loads: list[float] = []
+    balance.on_window(lambda load: loads.append(load.sum().item()))
+    for window in balance.windows(loader, acc, mask=valid,
+                                  n_items=(lambda b: valid(b).sum()) if items else None):
+        for tokens, labels in window:
+            acc.backward_pipeline(pipe.schedule, *pipe.args(tokens), target=labels if pipe.last else None,
+                                  n_items=count if pipe.last else None, reduction="sum" if items else "mean")
+    return {"diff": pipe.diff(chunk_reference(pipe.n_stages, windows, mode, items)),
+            "from_global": pipe.diff(chunk_reference(pipe.n_stages, windows, "global", items)),
+            "from_other": pipe.diff(chunk_reference(pipe.n_stages, windows, OTHER[mode], items)),
+            "from_none": pipe.diff(chunk_reference(pipe.n_stages, windows, "none", items)),
+            "steps": acc.optimizer_steps, "loads": loads,
+            "expected_loads": [float(TOP_K * len(balance.routers) * sum(valid(b).sum() for b in w))
+                               for w in windows]}
+
+
+def recipe(rank: int, world: int) -> dict[str, Any]:
+    """docs/MOE.md's ``moe-pipeline`` recipe, run as printed on this rank's stage of a 1F1B pipeline:
+    its largest difference from one process on the whole window ("rolling", per pipeline
+    micro-batch)."""
+    from pathlib import Path
+
+    from tests.integrations.common import run as run_recipe
+
+    full = full_model(world)
+    stage_module = copy.deepcopy(full[rank])
+    windows = data()
+    namespace = {"stage_module": stage_module, "routers": routers(stage_module), "pp_rank": rank,
+                 "pp_size": world, "device": torch.device("cpu"), "is_first": rank == 0,
+                 "is_last": rank == world - 1, "n_microbatches": N_MB, "steps": STEPS, "loss_fn": token_sum,
+                 "num_experts": EXPERTS, "top_k": TOP_K, "coef": COEF,
+                 "loader": [b for window in windows for b in window]}
+    run_recipe("moe-pipeline", namespace, doc=Path(__file__).resolve().parents[2] / "docs" / "MOE.md")
+    want = chunk_reference(world, windows, "rolling")[rank]
+    diff = max(float((a - b).abs().max()) for a, b in zip(stage_module.parameters(), want.parameters(),
+                                                          strict=True))
+    return {"diff": diff, "steps": namespace["acc"].optimizer_steps}
+
+
+def refused(rank: int, world: int, mode: str, per_layer: bool) -> dict[str, Any]:
+    """What is not supported is refused on every rank before anything changes; the same loop
+    without the balance then trains (the twin)."""
+    import gradaccum
+    from gradaccum.moe import LoadBalance
+    from gradaccum.torch.pipeline.sync import PipelineSync
+
+    pipe = Stages("1f1b", rank, world, token_sum)
+    acc = gradaccum.Accumulator(sgd(pipe.model.parameters()), steps=STEPS, model=pipe.model)
+    balance = LoadBalance(pipe.model, routers=routers(pipe.model), mode=mode, per_layer=per_layer,
+                          top_k=TOP_K, coef=COEF, num_experts=EXPERTS)
+    before = [p.detach().clone() for p in pipe.model.parameters()]
+    window = data()[0]
+    count = (lambda y: (y != PAD).sum()) if pipe.last else None
+    refusal = None
+    try:
+        for batches in balance.windows(window, acc, mask=valid, n_items=lambda b: valid(b).sum()):
+            tokens, labels = batches[0]
+            acc.backward_pipeline(pipe.schedule, *pipe.args(tokens), target=labels if pipe.last else None,
+                                  n_items=count, reduction="sum")
+    except (ValueError, NotImplementedError) as e:
+        refusal = f"{type(e).__name__}: {e}"
+    unchanged = (acc.micro_step == 0 and not isinstance(acc.grad_sync, PipelineSync)
+                 and all(p.grad is None for p in pipe.model.parameters())
+                 and all(torch.equal(a, p) for a, p in zip(before, pipe.model.parameters(), strict=True)))
+    balance.remove()
+    for tokens, labels in window:  # the twin: without the balance, the same loop trains
+        acc.backward_pipeline(pipe.schedule, *pipe.args(tokens), target=labels if pipe.last else None,
+                              n_items=count, reduction="sum")
+    return {"refusal": refusal, "unchanged": unchanged, "steps": acc.optimizer_steps}
+
+
 if __name__ == "__main__":
     run_scenarios({
         "hand 1f1b": lambda r, w: hand(r, w, "1f1b"),
         "hand interleaved": lambda r, w: hand(r, w, "interleaved"),
         "hand 1f1b inference counted": lambda r, w: hand(r, w, "1f1b", skip_inference=False),
+        **{f"balance {kind} {mode}": (lambda r, w, kind=kind, mode=mode: balanced(r, w, kind, mode))
+           for kind in ("1f1b", "interleaved") for mode in ("rolling", "micro_batch")},
+        "balance gpipe rolling": lambda r, w: balanced(r, w, "gpipe", "rolling"),
+        "balance zb rolling": lambda r, w: balanced(r, w, "zb", "rolling"),
+        "balance 1f1b rolling checkpoint": lambda r, w: balanced(r, w, "1f1b", "rolling", reentrant=False),
+        "balance 1f1b rolling short": lambda r, w: balanced(r, w, "1f1b", "rolling", short=True),
+        "balance 1f1b micro_batch mean short": lambda r, w: balanced(r, w, "1f1b", "micro_batch",
+                                                                     items=False, short=True),
+        "balance 1f1b rolling mean": lambda r, w: balanced(r, w, "1f1b", "rolling", items=False),
+        "recipe": recipe,
+        "refused global": lambda r, w: refused(r, w, "global", True),
+        "refused pooled": lambda r, w: refused(r, w, "rolling", False),
     })

@@ -173,21 +173,59 @@ def test_counts_given_to_backward_that_differ_from_the_count_function_raise_at_t
                 acc.backward(loss, n_items=count(batch) + 1)
 
 
-@pytest.mark.parametrize("mode", ["global", "rolling", "micro_batch"])
-def test_backward_pipeline_with_a_balance_is_refused_before_anything_changes(mode):
-    # A schedule's backward passes do not call the accumulator's feed hooks: the balancing
-    # gradient would be missing (the router's backward raised on one rank, the others hung).
-    model, acc, balance = setup(mode=mode)
+class _Stage:  # a pipeline stage, as far as the refusals read it
+    submod, group = None, None
+
+
+class _Schedule:
+    _stage = _Stage()
+
+    def step(self, *args, **kwargs):
+        raise AssertionError("never run: the refusal comes first")
+
+
+@pytest.mark.parametrize("mode, per_layer, match", [
+    ("global", True, r"mode='global'\) under backward_pipeline.*use mode='rolling'"),
+    ("rolling", False, r"per_layer=False\) under backward_pipeline.*use per_layer=True"),
+    ("micro_batch", False, r"per_layer=False\) under backward_pipeline.*use per_layer=True"),
+])
+def test_backward_pipeline_refuses_what_a_balance_cannot_do_there_before_anything_changes(
+        mode, per_layer, match):
+    # "global" needs a pre-pass of the whole window through the schedule, the pooled loss every
+    # stage's counts in each stage's backward: refused on every rank alike (the rolling and
+    # micro_batch modes with per_layer=True run: tests/distributed/test_moe_pipeline.py)
+    model, acc, balance = setup(mode=mode, per_layer=per_layer)
     before = snapshot(model)
-
-    class Schedule:  # never read: the refusal comes first
-        pass
-
     for window in balance.windows(batches(0)[:3], acc, n_items=count):
-        with pytest.raises(NotImplementedError, match=r"two-pass recipe by hand of docs/MOE\.md"):
-            acc.backward_pipeline(Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        with pytest.raises(ValueError, match=match):
+            acc.backward_pipeline(_Schedule(), window[0]["input_ids"], target=window[0]["labels"])
         break
     assert_unchanged(model, acc, before)
     balance.remove()
-    with pytest.raises(TypeError, match=r"schedule must be a torch\.distributed\.pipelining"):
-        acc.backward_pipeline(Schedule(), batches(0)[0]["input_ids"])  # the twin: on to its checks
+    with pytest.raises(RuntimeError, match="schedule internals"):
+        acc.backward_pipeline(_Schedule(), batches(0)[0]["input_ids"])  # the twin: on to its checks
+
+
+def test_backward_pipeline_refuses_a_balance_over_data_parallel_stages_before_anything_changes():
+    # a stage's counts would need an all-reduce over its replicas inside the schedule's backward
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Replicated(DistributedDataParallel):  # a DDP stage module, as far as the refusal reads it
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    class Stage:
+        submod, group = Replicated(), None
+
+    class Schedule(_Schedule):
+        _stage = Stage()
+
+    model, acc, balance = setup(mode="rolling", per_layer=True)
+    before = snapshot(model)
+    for window in balance.windows(batches(0)[:3], acc, n_items=count):
+        with pytest.raises(NotImplementedError, match="data-parallel replicas of a stage"):
+            acc.backward_pipeline(Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        with pytest.raises(AttributeError):  # the twin: a plain stage passes the refusals
+            acc.backward_pipeline(_Schedule(), window[0]["input_ids"], target=window[0]["labels"])
+        break
+    assert_unchanged(model, acc, before)

@@ -9,10 +9,13 @@ May import: gradaccum.core, gradaccum.torch
   ``"global"`` (a no-grad pre-pass counts the window's routes: exact), ``"rolling"`` or
   ``"micro_batch"`` (one pass). ``balance.windows(loader, acc)`` gives the windows;
   ``balance.load`` and ``balance.on_window(fn)`` the window's expert load (an aux-free bias).
+  Under ``acc.backward_pipeline``: ``"rolling"`` and ``"micro_batch"`` per pipeline micro-batch
+  (``per_layer=True``; ``"global"`` refused, naming ``"rolling"``).
 
 The arithmetic from counts is the core's (:mod:`gradaccum.core.balance`); ``_routers.py`` finds
 the routers, ``_inject.py`` counts routes and enters the gradient (an identity on each router's
-output), ``_window.py`` holds one window's masks, totals and weights, ``balance.py`` the class.
+output), ``_window.py`` holds one window's masks, totals and weights, ``_pipeline.py`` the
+pipeline micro-batches of a ``backward_pipeline`` call, ``balance.py`` the class.
 
 Example:
     >>> import torch, gradaccum

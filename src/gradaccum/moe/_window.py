@@ -63,6 +63,7 @@ class PreparedWindow:
         self.slots = [Slot() for _ in range(size)]
         self.counts: list[torch.Tensor | None] = [None] * size  # pre-pass routes per micro-batch
         self.rows: list[Any] = [None] * size  # each micro-batch's tokens on this rank
+        self.leads: list[int] = [1] * size  # each mask's dim 0 (a pipeline splits the batch along it)
         self.seen_routes: list[torch.Tensor | None] = [None] * size  # training forwards' routes
         self.window_tokens: Any = None  # over every rank
         self.items: Any = None  # the n_items total over every rank (None: no count function)

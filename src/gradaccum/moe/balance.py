@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradaccum.core.balance import check_mode
 from gradaccum.moe._inject import Site, count_routes, inject
+from gradaccum.moe._pipeline import PipeTracker, check_pipeline
 from gradaccum.moe._routers import check_aux_off, find_routers, logits_of, switch_aux_off
 from gradaccum.moe._window import Batches, PreparedWindow, mask_rows
 from gradaccum.torch import Accumulator
@@ -50,7 +51,9 @@ class LoadBalance:
     micro-batch it trains another objective. ``LoadBalance`` switches the model's own auxiliary
     loss off and adds the gradient of the window's loss inside each micro-batch's own backward
     (``acc.backward``, ``acc.micro_batch``), with the weight that makes the window's update the
-    large batch's, whatever ``n_items`` the language-model loss uses.
+    large batch's, whatever ``n_items`` the language-model loss uses. Under
+    ``acc.backward_pipeline``, ``"rolling"`` and ``"micro_batch"`` with ``per_layer=True`` run per
+    pipeline micro-batch, each stage's gradient in its own backward (docs/MOE.md, "Pipeline").
 
     Args:
         model: the model (a Hugging Face MoE model: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE; or any
@@ -117,6 +120,7 @@ class LoadBalance:
         self._feed_handle: RemovableHandle | None = None
         self._boundary_handle: Any = None
         self._early_stop = not _distributed(model)
+        self._pipe: PipeTracker | None = None  # under backward_pipeline (moe/_pipeline.py)
         switch_aux_off(found.config)
         self._handles = [m.register_forward_hook(self._router_hook) for m in found.modules]
 
@@ -172,12 +176,16 @@ class LoadBalance:
                 backward item-weighted without ``n_items=``, the model's aux loss turned back on;
                 before the micro-batch's backward.
             RuntimeError: ``acc.backward`` of a balanced model outside ``windows()``.
+            ValueError: ``mode="global"`` with an accumulator of a pipeline stage (its pre-pass
+                would be a run of the schedule): the message names ``"rolling"``.
         """
         if not isinstance(acc, Accumulator):
             raise TypeError(f"acc must be a gradaccum.Accumulator, got {type(acc).__name__}")
         for name, fn in (("forward", forward), ("mask", mask), ("n_items", n_items)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a function of a batch, got {type(fn).__name__}")
+        if self.mode == "global" and _pipelined(acc):
+            check_pipeline(self.mode, self.per_layer, None)  # raises, naming "rolling"
         self._attach(acc)
         run = forward or _default_forward(self.model)
         mask_of = mask or _default_mask
@@ -224,7 +232,8 @@ class LoadBalance:
     def _prepare(self, batches: list[Any], acc: Accumulator, run: Callable[[Any], Any],
                  mask_of: Callable[[Any], Any], n_items: Callable[[Any], Any] | None
                  ) -> tuple[PreparedWindow, list[RngStates] | None]:
-        masks = [mask_rows(mask_of(b)) for b in batches]
+        raw = [mask_of(b) for b in batches]
+        masks = [mask_rows(m) for m in raw]
         if self.mode != "global" and any(m is None for m in masks):
             raise ValueError(f"mode={self.mode!r} needs each batch's token mask to know the window's "
                              "tokens before it trains: give mask=lambda batch: ... (or batches with "
@@ -232,6 +241,7 @@ class LoadBalance:
         shape = (len(self.routers), self._experts, self.top_k, self.per_layer, self.coef, self.mode)
         window = PreparedWindow(len(batches), masks, shape, acc.world_size)
         window.rows = [None if m is None else m.sum().item() for m in masks]
+        window.leads = [m.shape[0] if isinstance(m, torch.Tensor) and m.dim() else 1 for m in raw]
         items = None if n_items is None else [n_items(b) for b in batches]
         states = self._pre_pass(window, batches, run) if self.mode == "global" else None
         window.finish_prepare(items)
@@ -265,7 +275,9 @@ class LoadBalance:
     # ------------------------------------------------------------------ the hooks
     def _router_hook(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         layer = self._layer[id(module)]
-        pre, window = self._pre, self._window
+        pre, window, pipe = self._pre, self._window, self._pipe
+        if pipe is not None and pipe.inferring:
+            return None  # a pipeline schedule's metadata inference: a forward no call trains on
         if pre is None and window is None:
             if torch.is_grad_enabled() and module.training:
                 raise RuntimeError(
@@ -282,6 +294,14 @@ class LoadBalance:
         if rows.shape[-1] != experts:
             raise ValueError(f"router {type(module).__name__} gave logits of {rows.shape[-1]} experts, "
                              f"expected num_experts={experts}")
+        if pipe is not None and pipe.chunk is not None and pre is None:
+            assert window is not None and self._acc is not None
+            j = self._acc.micro_step
+            if j >= window.size or window.done:
+                raise ValueError(f"a forward of one more micro-batch than the {window.size} of the window "
+                                 "LoadBalance prepared: a window that differs from the one prepared; "
+                                 "nothing has changed")
+            return pipe.router(window, j, layer, rows, self.top_k, not _in_backward(), output, logits)
         if pre is not None:
             j, prepared, fired = pre
             if prepared.masks[j] is None and not fired:
@@ -324,10 +344,34 @@ class LoadBalance:
             raise ValueError(f"a backward of one more micro-batch than the {window.size} of the window "
                              "LoadBalance prepared: a window that differs from the one prepared; nothing "
                              "has changed")
+        if feed.pipeline is not None:  # a backward_pipeline call (moe/_pipeline.py)
+            self._before_step(window, j, feed.pipeline)
+            return
         if window.masks[j] is None and window.rows[j] is None:
             raise ValueError("no router ran in this micro-batch's forward")
         slot = window.fill(j)
         slot.weight = window.weight(feed, None if self._acc is None else self._acc.scaler)
+
+    def _before_step(self, window: PreparedWindow, j: int, info: Any) -> None:
+        """A ``backward_pipeline`` call: first checked before anything changes (``info.items``
+        None), then, right before its ``step()``, its weights."""
+        if info.items is None:
+            check_pipeline(self.mode, self.per_layer, info)
+            if self._pipe is None:
+                self._pipe = PipeTracker()
+            self._pipe.wrap(info.stages)
+            return
+        assert self._pipe is not None
+        self._pipe.feed(window, j, info, None if self._acc is None else self._acc.scaler)
+
+
+def _pipelined(acc: Accumulator) -> bool:
+    """``acc`` feeds (or may feed: a plain stage module under a pipeline's process group) a
+    pipeline schedule through ``backward_pipeline``."""
+    from gradaccum.torch.distributed.selector import PendingSync
+    from gradaccum.torch.pipeline.sync import PipelineSync
+
+    return isinstance(acc.grad_sync, (PendingSync, PipelineSync))
 
 
 def _distributed(model: nn.Module) -> bool:

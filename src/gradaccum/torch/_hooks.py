@@ -51,12 +51,37 @@ class Feed(NamedTuple):
         seed: the gradient the backward starts from, the micro-batch's weight in the window's
             accumulated gradient before the boundary's normalization (None: 1); an active
             GradScaler's scale multiplies it in the backward.
+        pipeline: for a ``backward_pipeline`` call, its :class:`PipelineFeed` (None otherwise).
     """
 
     micro_step: int
     n_items: Any
     reduction: str
     seed: Any
+    pipeline: Any = None
+
+
+class PipelineFeed(NamedTuple):
+    """What a feed hook is told of a ``backward_pipeline`` call, twice: before anything changes
+    (``items`` None: refuse here what is not supported, on every rank alike) and right before the
+    schedule's ``step()``, once the ranks agreed.
+
+    Attributes:
+        stages: this rank's pipeline stages; n_microbatches: the schedule's.
+        steps: the accumulator's window size (a mean window's boundary multiplies by
+            ``steps / micro_steps``).
+        items: the window is item-weighted on the last stage (the boundary divides by its item
+            total and multiplies by ``scale``); None in the first call.
+        scale: the provisional total ``P`` the item-weighted losses were divided by (None: 1).
+        world_size: the data-parallel replicas of a stage.
+    """
+
+    stages: Any
+    n_microbatches: int
+    steps: int
+    items: Any = None
+    scale: Any = None
+    world_size: int = 1
 
 
 class HookList:

@@ -38,7 +38,7 @@ from gradaccum.core.window import Window
 from gradaccum.torch._boundary import Outcome, step_window
 from gradaccum.torch._guards import Guard, exact_grads, refuse_entry
 from gradaccum.torch._holders import Holders
-from gradaccum.torch._hooks import Feed, HookList
+from gradaccum.torch._hooks import Feed, HookList, PipelineFeed
 from gradaccum.torch._micro_batch import MicroBatch, feed_block
 from gradaccum.torch._param_groups import optimizer_params, param_count
 from gradaccum.torch._precision import Precision
@@ -413,34 +413,42 @@ class Accumulator:
         Raises:
             ValueError: a bad input on any rank, raised on every rank together: before any
                 ``step()`` at the run's first call, else at the window's boundary (no rank steps).
-            NotImplementedError: a feed hook is registered (``gradaccum.moe.LoadBalance``): a
-                schedule's backward passes do not call it; raised before anything changes.
+            TypeError, ValueError, RuntimeError, NotImplementedError: a feed hook
+                (``gradaccum.moe.LoadBalance``) refused the call, before anything changes.
         """
         from gradaccum.torch.pipeline.boundary import step_pipeline_window
         from gradaccum.torch.pipeline.feed import attach, feed
 
-        if self._feed_hooks:  # every rank registered its own: every rank refuses, none waits
-            raise NotImplementedError(
-                "backward_pipeline() with a feed hook (a gradaccum.moe.LoadBalance over this "
-                "accumulator): a pipeline schedule's backward passes do not call feed hooks, so "
-                "the balancing loss would be missing, in every mode (global, rolling, micro_batch). "
-                "Use the two-pass recipe by hand of docs/MOE.md's Pipeline section (exact under "
-                "1F1B and Interleaved1F1B), or balance.remove() to train without it; nothing has "
-                "changed")
         self._enter("backward_pipeline")
-        try:
+        try:  # the feed hooks (gradaccum.moe) are told first: a refusal changes nothing
+            before_step = self._pipeline_feed(schedule, reduction) if self._feed_hooks else None
             sync = self._sync
             if not isinstance(sync, PipelineSync):  # the first call: the window spans the stages
                 sync = attach(schedule, sync, self._params, self._precision, self._window, self)
                 self._sync, self._boundary, self._defer = sync, step_pipeline_window, sync.defer
                 self._guard.set_exact(exact_grads(sync))  # reduced at the boundary only (or each call)
             nxt = feed(sync, schedule, args, target, n_items, reduction, kwargs, self._window,
-                       self._precision, self.clip_norm, self._check_grads)
+                       self._precision, self.clip_norm, self._check_grads, before_step)
             stepped = self._commit(nxt)
             sync.agreed = (schedule, self._window)  # the next call agrees again only if either changes
             return stepped
         finally:
             self._free.append(True)
+
+    def _pipeline_feed(self, schedule: Any, reduction: Reduction) -> Callable[[bool, Any], None]:
+        """Tell the feed hooks of a ``backward_pipeline`` call before anything changes (they may
+        refuse it, on every rank alike), and return what tells them its weights before ``step()``."""
+        from gradaccum.torch.pipeline.sync import schedule_stages
+
+        stages = schedule_stages(schedule)
+        n_mb = int(getattr(schedule, "_n_microbatches", 1))
+        micro_step, steps = self._window.micro_step, self._window.size
+        self._feed_hooks(Feed(micro_step, None, reduction, None, PipelineFeed(stages, n_mb, steps)))
+
+        def before_step(items: bool, scale: Any) -> None:
+            info = PipelineFeed(stages, n_mb, steps, items, scale, self._sync.world_size)
+            self._feed_hooks(Feed(micro_step, None, reduction, None, info))
+        return before_step
 
     def flush(self) -> bool:
         """Apply a partial window now (end of data), as the mean over what it holds; under
@@ -588,7 +596,10 @@ class Accumulator:
         ``micro_step``, the ``n_items`` and ``reduction`` given, and the ``seed`` the backward
         starts from (None: 1; an active GradScaler's scale multiplies it). For a loss term
         entered inside the user's backward at a weight of its own (``gradaccum.moe``); what the
-        hook raises propagates before the backward runs, with nothing changed.
+        hook raises propagates before the backward runs, with nothing changed. A
+        :meth:`backward_pipeline` call tells it twice, ``feed.pipeline`` a ``PipelineFeed``
+        (torch/_hooks.py): before anything changes (to refuse), and before ``step()`` with the
+        window's weighting (``n_items`` and ``seed`` None).
 
         Returns:
             A handle whose ``remove()`` unregisters the hook.

@@ -82,11 +82,13 @@ class Agreed:
             overflow: a GradScaler, float16 parameters).
         first_count: the largest first count of any last stage (the first window's ``P`` basis).
         poisoned: a rank recorded a problem earlier in the window (its boundary raises).
+        items: a last stage weighs its losses by item counts (told to every stage).
     """
 
     use_scale: bool
     first_count: float
     poisoned: bool = False
+    items: bool = False
 
 
 def agreement_vector(pairs: Sequence[float], last: Sequence[float], problems: Sequence[str],
@@ -129,14 +131,15 @@ def read_agreement(vec: Sequence[float], mine: dict[str, str]) -> Agreed:
         else:
             issues.append(f"the ranks disagree on {name}: from {_num(low)} to {_num(high)} (build every "
                           "rank's Accumulator and schedule with the same options)")
-    _, _, _, first_count, overflow_prone, poisoned = vec[2 * n: 2 * n + 6]
+    _, items, _, first_count, overflow_prone, poisoned = vec[2 * n: 2 * n + 6]
     flags = vec[2 * n + 6:]
     for code, flag in zip(_CODES, flags, strict=True):
         if flag:
             issues.append(describe(code, mine.get(code), int(flag) - 1))
     if issues:
         raise ValueError("backward_pipeline: nothing was run or stepped, on any rank: " + "; ".join(issues))
-    return Agreed(use_scale=bool(overflow_prone), first_count=first_count, poisoned=bool(poisoned))
+    return Agreed(use_scale=bool(overflow_prone), first_count=first_count, poisoned=bool(poisoned),
+                  items=bool(items))
 
 
 def describe(code: str, detail: str | None, rank: int | None = None) -> str:

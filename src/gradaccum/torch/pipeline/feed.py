@@ -61,7 +61,8 @@ def pow2_total(count: float, size: int) -> float:
 
 def feed(sync: PipelineSync, schedule: Any, args: tuple[Any, ...], target: Any, n_items: Any,
          reduction: Any, kwargs: dict[str, Any], window: Window, precision: Precision,
-         clip_norm: float | None, check_grads: Callable[[Window], None]) -> Window:
+         clip_norm: float | None, check_grads: Callable[[Window], None],
+         before_step: Callable[[bool, Any], None] | None = None) -> Window:
     """Run ``schedule.step(*args, target=target, **kwargs)`` as one micro-batch of ``window``
     (``Accumulator.backward_pipeline`` documents the contract); return the window after it, for
     the accumulator to commit.
@@ -72,6 +73,8 @@ def feed(sync: PipelineSync, schedule: Any, args: tuple[Any, ...], target: Any, 
             clip_norm: its ``clip_norm``.
         check_grads: the accumulator's gradient guards for a micro-batch of ``window`` (raises
             RuntimeError; recorded here as a problem of the call, not raised alone).
+        before_step: called with (item-weighted, the provisional total ``P`` or None) once the
+            ranks agreed, right before ``step()`` (the accumulator's feed hooks: gradaccum.moe).
     """
     n_mb = sync.n_microbatches = int(schedule._n_microbatches)
     call = check_call(sync, schedule, target, n_items, reduction, n_mb, window, check_grads)
@@ -86,6 +89,8 @@ def feed(sync: PipelineSync, schedule: Any, args: tuple[Any, ...], target: Any, 
     weights: Agreed = sync.weights
     scale = window.scale if window.micro_step else (
         pow2_total(window.basis or weights.first_count or 1, window.size) if weights.use_scale else None)
+    if before_step is not None:
+        before_step(weights.items, scale)
     losses = kwargs.get("losses")
     collect = precision.collect if precision.buffers is not None else None
     try:
