@@ -29,19 +29,32 @@ class Slot:
     Attributes:
         a: ``(layers, experts)`` float64 weights of the probability sums, or None before.
         weight: the factor the closed-form gradient is multiplied by (a number or a tensor).
+        aw: ``a * weight`` (one op per backward, not one per router call), or None before.
     """
 
     def __init__(self) -> None:
         self.a: torch.Tensor | None = None
         self.weight: Any = None
+        self.aw: torch.Tensor | None = None
+
+    def set_weight(self, weight: Any) -> None:
+        """Set :attr:`weight` and :attr:`aw` (after :attr:`a`)."""
+        assert self.a is not None
+        self.weight = weight
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(self.a.device, torch.float64)
+        self.aw = self.a * weight
 
 
 class Site:
-    """What a router's identity needs in its backward: the logits (detached), the micro-batch's
-    row mask (float64, or None: every row), the layer and the slot."""
+    """What a router's identity needs in its backward: the logits (detached, rows by experts),
+    the logits' own shape, the micro-batch's row mask (a float64 column ``(rows, 1)``, or None:
+    every row), the layer and the slot."""
 
-    def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, layer: int, slot: Slot) -> None:
+    def __init__(self, logits: torch.Tensor, shape: torch.Size, mask: torch.Tensor | None, layer: int,
+                 slot: Slot) -> None:
         self.logits = logits
+        self.shape = shape
         self.mask = mask
         self.layer = layer
         self.slot = slot
@@ -53,32 +66,38 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(z if z.dtype == torch.float64 else z.to(torch.float64), dim=-1)
 
 
-def count_routes(logits: torch.Tensor, mask: torch.Tensor | None, top_k: int) -> torch.Tensor:
-    """The masked top-k routes per expert of one router call, float64 ``(experts,)``."""
-    p = probs64(logits)
-    chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
-    weights = (torch.ones(p.shape[0], dtype=p.dtype, device=p.device) if mask is None
-               else mask.to(p.device)).repeat_interleave(top_k)
-    return torch.zeros(p.shape[1], dtype=p.dtype, device=p.device).scatter_add_(0, chosen, weights)
+def count_routes(rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, into: torch.Tensor) -> None:
+    """Add the masked top-k routes per expert of one router call to ``into`` (float64
+    ``(experts,)``), in place: one top-k of the logits (the softmax keeps their order) and one
+    ``index_add_``.
+
+    Args:
+        rows: the router's logits, detached, rows by experts.
+        weights: each route's weight, the row mask repeated ``top_k`` times (float64), or None
+            (every route counts 1).
+        top_k: routes per token.
+        into: the layer's counts.
+    """
+    chosen = torch.topk(rows, top_k, dim=-1).indices.reshape(-1)
+    if weights is None:
+        weights = torch.ones(chosen.shape[0], dtype=into.dtype, device=into.device)
+    into.index_add_(0, chosen, weights.to(into.device))
 
 
 def _gradient(site: Site) -> torch.Tensor:
-    slot = site.slot
-    if slot.a is None:
+    aw = site.slot.aw
+    if aw is None:
         raise RuntimeError(
             "a router of a LoadBalance model ran a backward that was not fed through the accumulator: "
             "call acc.backward(loss) (or acc.micro_batch()) inside balance.windows(), not "
             "loss.backward()")
-    p = probs64(site.logits)
-    a = slot.a[site.layer].to(p.device)
+    z = site.logits
+    p = torch.softmax(z if z.dtype == torch.float64 else z.to(torch.float64), dim=-1)
+    a = aw[site.layer].to(p.device)  # a * weight, this layer's
     g = p * (a - (p @ a).unsqueeze(-1))
     if site.mask is not None:
-        g = g * site.mask.to(p.device).unsqueeze(-1)
-    weight = slot.weight
-    if isinstance(weight, torch.Tensor):
-        weight = weight.to(p.device, torch.float64)
-    out: torch.Tensor = (g * weight).reshape(site.logits.shape)
-    return out
+        g = g * site.mask.to(p.device)
+    return g.view(site.shape)
 
 
 class _Identity(torch.autograd.Function):
@@ -94,7 +113,8 @@ class _Identity(torch.autograd.Function):
         out = list(grads)
         extra = _gradient(ctx.site)
         i = ctx.logits_at
-        out[i] = extra.to(out[i].dtype) if out[i] is None else out[i] + extra.to(out[i].dtype)
+        dtype = ctx.site.logits.dtype if out[i] is None else out[i].dtype
+        out[i] = extra.to(dtype) if out[i] is None else out[i] + extra.to(dtype)
         return (None, None, *out)
 
 

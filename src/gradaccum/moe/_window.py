@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.core.balance import count_scale
-from gradaccum.moe._inject import Slot
+from gradaccum.moe._inject import Slot, count_routes
 from gradaccum.torch.cached.replay import RngStates
 
 __all__ = ["Batches", "PreparedWindow", "all_reduce_sum", "mask_rows"]
@@ -59,6 +59,10 @@ class PreparedWindow:
         self.size = size
         self.masks = masks
         self.layers, self.experts, self.top_k, self.per_layer, self.coef, self.mode = shape
+        # made once per window, not once per router call: each route's weight (the row mask
+        # repeated top_k times) and the mask as a column (the closed-form gradient's rows)
+        self.route_weights = [None if m is None else m.repeat_interleave(self.top_k) for m in masks]
+        self.mask_cols = [None if m is None else m.unsqueeze(-1) for m in masks]
         self.world_size = world_size
         self.slots = [Slot() for _ in range(size)]
         self.counts: list[torch.Tensor | None] = [None] * size  # pre-pass routes per micro-batch
@@ -76,14 +80,16 @@ class PreparedWindow:
         self._counted: set[int] = set()  # micro-batches whose n_items were added to fed_items
 
     # ------------------------------------------------------------------ counts
-    def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:
-        """Add one router call's routes to micro-batch ``j``'s in ``store`` (:attr:`counts`, the
-        pre-pass's, or :attr:`seen_routes`, the training forwards')."""
+    def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, rows: torch.Tensor) -> None:
+        """Count one router call's routes (its detached logits ``rows``, rows by experts) into
+        micro-batch ``j``'s in ``store`` (:attr:`counts`, the pre-pass's, or :attr:`seen_routes`,
+        the training forwards'), in place."""
         if self.experts is None:
-            self.experts = routes.numel()
-        if store[j] is None:
-            store[j] = torch.zeros(self.layers, self.experts, dtype=routes.dtype, device=routes.device)
-        store[j][layer] += routes  # type: ignore[index]
+            self.experts = rows.shape[-1]
+        counts = store[j]
+        if counts is None:
+            counts = store[j] = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=rows.device)
+        count_routes(rows, self.route_weights[j], self.top_k, counts[layer])
 
     def _zeros(self, like: torch.Tensor | None) -> torch.Tensor:
         device = like.device if like is not None else None
