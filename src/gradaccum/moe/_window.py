@@ -88,7 +88,8 @@ class PreparedWindow:
             self.experts = rows.shape[-1]
         counts = store[j]
         if counts is None:
-            counts = store[j] = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=rows.device)
+            counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=rows.device)
+            store[j] = counts
         count_routes(rows, self.route_weights[j], self.top_k, counts[layer])
 
     def _zeros(self, like: torch.Tensor | None) -> torch.Tensor:
