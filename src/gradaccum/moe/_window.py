@@ -209,7 +209,8 @@ class PreparedWindow:
         if self.items is None or not self.items_local or not self._counted:
             return
         given = float(self.fed_items)
-        expected = sum(float(n) for n in self.items_local)
+        expected = float(torch.stack([torch.as_tensor(n, dtype=torch.float64).reshape(()).cpu()
+                                      for n in self.items_local]).sum())
         if abs(given - expected) > 1e-9 * max(expected, 1.0):
             raise ValueError(f"the n_items given to acc.backward sum to {given:g} on this rank but "
                              f"balance.windows(n_items=...) counts {expected:g}: give windows() the count "
