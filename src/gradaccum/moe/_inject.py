@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Site", "Slot", "count_routes", "inject", "probs64"]
+__all__ = ["Site", "Slot", "add_routes", "count_routes", "inject", "probs64"]
 
 
 class Slot:
@@ -28,19 +28,26 @@ class Slot:
 
     Attributes:
         a: ``(layers, experts)`` float64 weights of the probability sums, or None before.
-        weight: the factor the closed-form gradient is multiplied by (a number or a tensor).
-        aw: ``a * weight`` (one op per backward, not one per router call), or None before.
+        weight: the factor the closed-form gradient is multiplied by (a number or a tensor); set
+            after :attr:`a`, it makes :attr:`aw`.
+        aw: ``a * weight``, made once per backward (not once per router call), or None before.
     """
 
     def __init__(self) -> None:
         self.a: torch.Tensor | None = None
-        self.weight: Any = None
         self.aw: torch.Tensor | None = None
+        self._weight: Any = None
 
-    def set_weight(self, weight: Any) -> None:
-        """Set :attr:`weight` and :attr:`aw` (after :attr:`a`)."""
-        assert self.a is not None
-        self.weight = weight
+    @property
+    def weight(self) -> Any:
+        return self._weight
+
+    @weight.setter
+    def weight(self, weight: Any) -> None:
+        self._weight = weight
+        if self.a is None or weight is None:
+            self.aw = None
+            return
         if isinstance(weight, torch.Tensor):
             weight = weight.to(self.a.device, torch.float64)
         self.aw = self.a * weight
@@ -48,16 +55,16 @@ class Slot:
 
 class Site:
     """What a router's identity needs in its backward: the logits (detached, rows by experts),
-    the logits' own shape, the micro-batch's row mask (a float64 column ``(rows, 1)``, or None:
-    every row), the layer and the slot."""
+    the micro-batch's row mask (float64, flattened ``(rows,)`` or a column ``(rows, 1)``; None:
+    every row), the layer, the slot, and the shape of the logits' gradient (default: the logits')."""
 
-    def __init__(self, logits: torch.Tensor, shape: torch.Size, mask: torch.Tensor | None, layer: int,
-                 slot: Slot) -> None:
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, layer: int, slot: Any,
+                 shape: torch.Size | None = None) -> None:
         self.logits = logits
-        self.shape = shape
         self.mask = mask
         self.layer = layer
         self.slot = slot
+        self.shape = logits.shape if shape is None else shape
 
 
 def probs64(logits: torch.Tensor) -> torch.Tensor:
@@ -66,10 +73,18 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(z if z.dtype == torch.float64 else z.to(torch.float64), dim=-1)
 
 
-def count_routes(rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, into: torch.Tensor) -> None:
+def count_routes(logits: torch.Tensor, mask: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """The masked top-k routes per expert of one router call, float64 ``(experts,)``."""
+    rows = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.zeros(rows.shape[-1], dtype=torch.float64, device=rows.device)
+    add_routes(rows, None if mask is None else mask.repeat_interleave(top_k), top_k, out)
+    return out
+
+
+def add_routes(rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, into: torch.Tensor) -> None:
     """Add the masked top-k routes per expert of one router call to ``into`` (float64
-    ``(experts,)``), in place: one top-k of the logits (the softmax keeps their order) and one
-    ``index_add_``.
+    ``(experts,)``), in place: one top-k of the logits (the softmax keeps their order: no float64
+    softmax) and one ``index_add_``.
 
     Args:
         rows: the router's logits, detached, rows by experts.
@@ -84,19 +99,33 @@ def count_routes(rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, i
     into.index_add_(0, chosen, weights.to(into.device))
 
 
-def _gradient(site: Site) -> torch.Tensor:
-    aw = site.slot.aw
-    if aw is None:
+def _weights(slot: Any) -> torch.Tensor:
+    """``a * weight`` of a slot: made once per backward when a :class:`Slot`'s weight is set, or here (a
+    slot that holds ``a`` and ``weight`` alone)."""
+    aw = getattr(slot, "aw", None)
+    if aw is not None:
+        return aw  # type: ignore[no-any-return]
+    a = slot.a
+    if a is None:
         raise RuntimeError(
             "a router of a LoadBalance model ran a backward that was not fed through the accumulator: "
             "call acc.backward(loss) (or acc.micro_batch()) inside balance.windows(), not "
             "loss.backward()")
+    weight = slot.weight
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(a.device, torch.float64)
+    return a * weight  # type: ignore[no-any-return]
+
+
+def _gradient(site: Site) -> torch.Tensor:
+    aw = _weights(site.slot)
     z = site.logits
     p = torch.softmax(z if z.dtype == torch.float64 else z.to(torch.float64), dim=-1)
     a = aw[site.layer].to(p.device)  # a * weight, this layer's
     g = p * (a - (p @ a).unsqueeze(-1))
-    if site.mask is not None:
-        g = g * site.mask.to(p.device)
+    mask = site.mask
+    if mask is not None:
+        g = g * (mask if mask.dim() == 2 else mask.unsqueeze(-1)).to(p.device)
     return g.view(site.shape)
 
 

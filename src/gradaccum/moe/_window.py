@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.core.balance import count_scale
-from gradaccum.moe._inject import Slot, count_routes
+from gradaccum.moe._inject import Slot, add_routes
 from gradaccum.torch.cached.replay import RngStates
 
 __all__ = ["Batches", "PreparedWindow", "all_reduce_sum", "mask_rows"]
@@ -80,17 +80,26 @@ class PreparedWindow:
         self._counted: set[int] = set()  # micro-batches whose n_items were added to fed_items
 
     # ------------------------------------------------------------------ counts
-    def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, rows: torch.Tensor) -> None:
+    def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:
+        """Add one router call's routes to micro-batch ``j``'s in ``store`` (:attr:`counts`, the
+        pre-pass's, or :attr:`seen_routes`, the training forwards')."""
+        self._store(store, j, routes)[layer] += routes
+
+    def count(self, store: list[torch.Tensor | None], j: int, layer: int, rows: torch.Tensor) -> None:
         """Count one router call's routes (its detached logits ``rows``, rows by experts) into
-        micro-batch ``j``'s in ``store`` (:attr:`counts`, the pre-pass's, or :attr:`seen_routes`,
-        the training forwards'), in place."""
+        micro-batch ``j``'s in ``store``, in place (a top-k and an ``index_add_``)."""
         if self.experts is None:
             self.experts = rows.shape[-1]
+        add_routes(rows, self.route_weights[j], self.top_k, self._store(store, j, rows)[layer])
+
+    def _store(self, store: list[torch.Tensor | None], j: int, like: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            self.experts = like.shape[-1]
         counts = store[j]
         if counts is None:
-            counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=rows.device)
+            counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=like.device)
             store[j] = counts
-        count_routes(rows, self.route_weights[j], self.top_k, counts[layer])
+        return counts
 
     def _zeros(self, like: torch.Tensor | None) -> torch.Tensor:
         device = like.device if like is not None else None

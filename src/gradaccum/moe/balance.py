@@ -314,7 +314,7 @@ class LoadBalance:
             self._count(window, window.seen_routes, j, layer, rows)
         if not torch.is_grad_enabled():
             return None
-        return inject(output, logits, Site(rows, logits.shape, window.mask_cols[j], layer, window.slots[j]))
+        return inject(output, logits, Site(rows, window.mask_cols[j], layer, window.slots[j], logits.shape))
 
     def _count(self, window: PreparedWindow, store: list[torch.Tensor | None], j: int, layer: int,
                rows: torch.Tensor) -> None:
@@ -323,7 +323,7 @@ class LoadBalance:
             raise ValueError(f"the mask of micro-batch {j} has {mask.numel()} tokens but router "
                              f"{layer} routed {rows.shape[0]} rows: mask= must give one value per "
                              "routed token, in the router's order")
-        window.add_routes(store, j, layer, rows)
+        window.count(store, j, layer, rows)
 
     def _before_backward(self, feed: Feed) -> None:
         window = self._window
@@ -340,7 +340,7 @@ class LoadBalance:
         if window.masks[j] is None and window.rows[j] is None:
             raise ValueError("no router ran in this micro-batch's forward")
         slot = window.fill(j)
-        slot.set_weight(window.weight(feed, None if self._acc is None else self._acc.scaler))
+        slot.weight = window.weight(feed, None if self._acc is None else self._acc.scaler)
 
 
 def _ordinary_buffers(model: nn.Module) -> None:
