@@ -242,3 +242,29 @@ def test_the_pre_pass_stops_after_the_last_router(data):
     got = train(model, data, steps=3, mode="global", routers="own", top_k=2, coef=0.5)
     assert got["acc"].optimizer_steps == WINDOWS
     assert heads == [True] * (3 * WINDOWS)  # the training forwards only
+
+
+class _CachedScale(torch.nn.Module):
+    """A cache a module builds in its forward (as rotary embeddings do): a buffer per sequence
+    length, rebuilt when the length changes, and saved by the training forward's backward."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        cache = getattr(self, "scale", None)
+        if cache is None or cache.shape[0] != h.shape[1]:
+            self.register_buffer("scale", 1.0 + 0.1 * torch.arange(h.shape[1], dtype=h.dtype)[:, None],
+                                 persistent=False)
+        return h * self.scale
+
+
+def test_a_buffer_a_pre_pass_builds_is_an_ordinary_tensor(data):
+    # From its second window the pre-pass runs under inference_mode (cheaper than no_grad); a
+    # buffer the forward builds there would be an inference tensor, which the training forward
+    # cannot save for its backward: the pre-pass copies it out. The windows' lengths differ, so
+    # each window's pre-pass rebuilds the cache.
+    model = tiny_moe(seed=7)
+    model.embed = torch.nn.Sequential(model.embed, _CachedScale())
+    windows = [[{k: v[:, :6 - w] for k, v in b.items()} for b in micro] for w, micro in enumerate(data)]
+    got = train(model, windows, steps=3, mode="global", routers="own", top_k=2, coef=0.5)
+    assert not got["model"].embed[1].scale.is_inference()
+    ref = reference(model, windows, "global", top_k=2, whole=True)
+    assert diff(got["params"], ref["params"]) < TOL

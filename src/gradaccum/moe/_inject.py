@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Site", "Slot", "count_routes", "inject", "probs64"]
+__all__ = ["Site", "Slot", "add_routes", "count_routes", "inject", "probs64"]
 
 
 class Slot:
@@ -28,23 +28,43 @@ class Slot:
 
     Attributes:
         a: ``(layers, experts)`` float64 weights of the probability sums, or None before.
-        weight: the factor the closed-form gradient is multiplied by (a number or a tensor).
+        weight: the factor the closed-form gradient is multiplied by (a number or a tensor); set
+            after :attr:`a`, it makes :attr:`aw`.
+        aw: ``a * weight``, made once per backward (not once per router call), or None before.
     """
 
     def __init__(self) -> None:
         self.a: torch.Tensor | None = None
-        self.weight: Any = None
+        self.aw: torch.Tensor | None = None
+        self._weight: Any = None
+
+    @property
+    def weight(self) -> Any:
+        return self._weight
+
+    @weight.setter
+    def weight(self, weight: Any) -> None:
+        self._weight = weight
+        if self.a is None or weight is None:
+            self.aw = None
+            return
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(self.a.device, torch.float64)
+        self.aw = self.a * weight
 
 
 class Site:
-    """What a router's identity needs in its backward: the logits (detached), the micro-batch's
-    row mask (float64, or None: every row), the layer and the slot."""
+    """What a router's identity needs in its backward: the logits (detached, rows by experts),
+    the micro-batch's row mask (float64, flattened ``(rows,)`` or a column ``(rows, 1)``; None:
+    every row), the layer, the slot, and the shape of the logits' gradient (default: the logits')."""
 
-    def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, layer: int, slot: Slot) -> None:
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, layer: int, slot: Any,
+                 shape: torch.Size | None = None) -> None:
         self.logits = logits
         self.mask = mask
         self.layer = layer
         self.slot = slot
+        self.shape = logits.shape if shape is None else shape
 
 
 def probs64(logits: torch.Tensor) -> torch.Tensor:
@@ -55,30 +75,58 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
 
 def count_routes(logits: torch.Tensor, mask: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """The masked top-k routes per expert of one router call, float64 ``(experts,)``."""
-    p = probs64(logits)
-    chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
-    weights = (torch.ones(p.shape[0], dtype=p.dtype, device=p.device) if mask is None
-               else mask.to(p.device)).repeat_interleave(top_k)
-    return torch.zeros(p.shape[1], dtype=p.dtype, device=p.device).scatter_add_(0, chosen, weights)
+    rows = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.zeros(rows.shape[-1], dtype=torch.float64, device=rows.device)
+    add_routes(rows, None if mask is None else mask.repeat_interleave(top_k), top_k, out)
+    return out
 
 
-def _gradient(site: Site) -> torch.Tensor:
-    slot = site.slot
-    if slot.a is None:
+def add_routes(rows: torch.Tensor, weights: torch.Tensor | None, top_k: int, into: torch.Tensor) -> None:
+    """Add the masked top-k routes per expert of one router call to ``into`` (float64
+    ``(experts,)``), in place: one top-k of the logits (the softmax keeps their order: no float64
+    softmax) and one ``index_add_``.
+
+    Args:
+        rows: the router's logits, detached, rows by experts.
+        weights: each route's weight, the row mask repeated ``top_k`` times (float64), or None
+            (every route counts 1).
+        top_k: routes per token.
+        into: the layer's counts.
+    """
+    chosen = torch.topk(rows, top_k, dim=-1).indices.reshape(-1)
+    if weights is None:
+        weights = torch.ones(chosen.shape[0], dtype=into.dtype, device=into.device)
+    into.index_add_(0, chosen, weights.to(into.device))
+
+
+def _weights(slot: Any) -> torch.Tensor:
+    """``a * weight`` of a slot: made once per backward when a :class:`Slot`'s weight is set, or here (a
+    slot that holds ``a`` and ``weight`` alone)."""
+    aw = getattr(slot, "aw", None)
+    if aw is not None:
+        return aw  # type: ignore[no-any-return]
+    a = slot.a
+    if a is None:
         raise RuntimeError(
             "a router of a LoadBalance model ran a backward that was not fed through the accumulator: "
             "call acc.backward(loss) (or acc.micro_batch()) inside balance.windows(), not "
             "loss.backward()")
-    p = probs64(site.logits)
-    a = slot.a[site.layer].to(p.device)
-    g = p * (a - (p @ a).unsqueeze(-1))
-    if site.mask is not None:
-        g = g * site.mask.to(p.device).unsqueeze(-1)
     weight = slot.weight
     if isinstance(weight, torch.Tensor):
-        weight = weight.to(p.device, torch.float64)
-    out: torch.Tensor = (g * weight).reshape(site.logits.shape)
-    return out
+        weight = weight.to(a.device, torch.float64)
+    return a * weight  # type: ignore[no-any-return]
+
+
+def _gradient(site: Site) -> torch.Tensor:
+    aw = _weights(site.slot)
+    z = site.logits
+    p = torch.softmax(z if z.dtype == torch.float64 else z.to(torch.float64), dim=-1)
+    a = aw[site.layer].to(p.device)  # a * weight, this layer's
+    g = p * (a - (p @ a).unsqueeze(-1))
+    mask = site.mask
+    if mask is not None:
+        g = g * (mask if mask.dim() == 2 else mask.unsqueeze(-1)).to(p.device)
+    return g.view(site.shape)
 
 
 class _Identity(torch.autograd.Function):
@@ -94,7 +142,8 @@ class _Identity(torch.autograd.Function):
         out = list(grads)
         extra = _gradient(ctx.site)
         i = ctx.logits_at
-        out[i] = extra.to(out[i].dtype) if out[i] is None else out[i] + extra.to(out[i].dtype)
+        dtype = ctx.site.logits.dtype if out[i] is None else out[i].dtype
+        out[i] = extra.to(dtype) if out[i] is None else out[i] + extra.to(dtype)
         return (None, None, *out)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.core.balance import count_scale
-from gradaccum.moe._inject import Slot
+from gradaccum.moe._inject import Slot, add_routes
 from gradaccum.torch.cached.replay import RngStates
 
 __all__ = ["Batches", "PreparedWindow", "all_reduce_sum", "mask_rows"]
@@ -59,6 +59,10 @@ class PreparedWindow:
         self.size = size
         self.masks = masks
         self.layers, self.experts, self.top_k, self.per_layer, self.coef, self.mode = shape
+        # made once per window, not once per router call: each route's weight (the row mask
+        # repeated top_k times) and the mask as a column (the closed-form gradient's rows)
+        self.route_weights = [None if m is None else m.repeat_interleave(self.top_k) for m in masks]
+        self.mask_cols = [None if m is None else m.unsqueeze(-1) for m in masks]
         self.world_size = world_size
         self.slots = [Slot() for _ in range(size)]
         self.counts: list[torch.Tensor | None] = [None] * size  # pre-pass routes per micro-batch
@@ -80,11 +84,23 @@ class PreparedWindow:
     def add_routes(self, store: list[torch.Tensor | None], j: int, layer: int, routes: torch.Tensor) -> None:
         """Add one router call's routes to micro-batch ``j``'s in ``store`` (:attr:`counts`, the
         pre-pass's, or :attr:`seen_routes`, the training forwards')."""
+        self._store(store, j, routes)[layer] += routes
+
+    def count(self, store: list[torch.Tensor | None], j: int, layer: int, rows: torch.Tensor) -> None:
+        """Count one router call's routes (its detached logits ``rows``, rows by experts) into
+        micro-batch ``j``'s in ``store``, in place (a top-k and an ``index_add_``)."""
         if self.experts is None:
-            self.experts = routes.numel()
-        if store[j] is None:
-            store[j] = torch.zeros(self.layers, self.experts, dtype=routes.dtype, device=routes.device)
-        store[j][layer] += routes  # type: ignore[index]
+            self.experts = rows.shape[-1]
+        add_routes(rows, self.route_weights[j], self.top_k, self._store(store, j, rows)[layer])
+
+    def _store(self, store: list[torch.Tensor | None], j: int, like: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            self.experts = like.shape[-1]
+        counts = store[j]
+        if counts is None:
+            counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=like.device)
+            store[j] = counts
+        return counts
 
     def _zeros(self, like: torch.Tensor | None) -> torch.Tensor:
         device = like.device if like is not None else None
@@ -203,7 +219,8 @@ class PreparedWindow:
         if self.items is None or not self.items_local or not self._counted:
             return
         given = float(self.fed_items)
-        expected = sum(float(n) for n in self.items_local)
+        expected = float(torch.stack([torch.as_tensor(n, dtype=torch.float64).reshape(()).cpu()
+                                      for n in self.items_local]).sum())
         if abs(given - expected) > 1e-9 * max(expected, 1.0):
             raise ValueError(f"the n_items given to acc.backward sum to {given:g} on this rank but "
                              f"balance.windows(n_items=...) counts {expected:g}: give windows() the count "
