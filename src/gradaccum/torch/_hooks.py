@@ -5,7 +5,7 @@ accumulator's parts put on its optimizer (:func:`hook_optimizer`, :func:`retire`
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -99,6 +99,8 @@ class HookList:
     def __init__(self) -> None:
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._hooks: OrderedDict[int, Callable[[Any], None]] = OrderedDict()
+        # The hooks, read-only: truthy when any is registered, tested on a hot path without a call.
+        self.registered: Mapping[int, Callable[[Any], None]] = self._hooks
 
     def register(self, hook: Callable[[Any], None]) -> RemovableHandle:
         """Add ``hook``; the handle's ``remove()`` takes it out again."""

@@ -292,7 +292,7 @@ class Accumulator:
             if not isinstance(n, torch.Tensor):
                 check_total(nxt.items)
             seed = loss_seed(loss, n, nxt.scale, nxt.size, summed)
-            if self._feed_hooks:
+            if self._feed_hooks.registered:  # a dict's truth, no call on the hot path
                 self._feed_hooks(Feed(window.micro_step, n, reduction, seed))
             self._precision.backward(loss, seed)
             return self._commit(nxt)
