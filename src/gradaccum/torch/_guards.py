@@ -76,7 +76,9 @@ class Guard:
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  scheduler: Any = None, model: Any = None, exact: bool = True) -> None:
         self._params = params
-        self._optimizer = optimizer
+        # Weakly: the optimizer holds the step hook, which holds this guard (a strong reference
+        # would make a cycle, freed only by the cyclic collector, at a time no one chooses).
+        self._optimizer = weakref.ref(optimizer)
         self._model = model
         self._own = False
         self.in_block = False  # a micro_batch() block is feeding (_micro_batch.feed_block sets it)
@@ -87,7 +89,7 @@ class Guard:
         # accumulator since (and, before the last, if one was cleared or replaced).
         self.note = self.grads.note
         self.check = self.grads.check
-        self._scheduler = scheduler
+        self._scheduler_ref = _weakly(scheduler)  # weakly, as the optimizer: no cycle through the hook
         self._scheduled: int | None = None  # the scheduler's last_epoch as the accumulator left it
         self._children: list[tuple[Any, int]] = []  # a SequentialLR's (ChainedScheduler's) own, alike
         self._rates: list[Any] | None = None  # the learning rates at the window's first micro-batch
@@ -118,7 +120,7 @@ class Guard:
         try:
             self.check_scheduler(then)
             self._check_rates(then)
-            refuse_added_inside(self._optimizer, self._params)
+            refuse_added_inside(self._optimizer(), self._params)
         except RuntimeError as e:
             if defer is None:
                 raise
@@ -141,7 +143,7 @@ class Guard:
             self.scheduled()
         else:
             self.check_scheduler("nothing has changed")
-        self._rates = read_rates(self._optimizer)  # compared at the boundary: no change inside the window
+        self._rates = read_rates(self._optimizer())  # compared at the boundary: no change inside the window
 
     def resume(self, micro_step: int) -> None:
         """After ``load_state_dict``: record the loaded window's gradients (none when empty);
@@ -159,6 +161,11 @@ class Guard:
     def forget(self) -> None:
         """The window closed or was dropped: nothing to compare before its first micro-batch."""
         self.grads.forget()
+
+    @property
+    def _scheduler(self) -> Any:
+        """The ``scheduler=`` (None when none was given)."""
+        return self._scheduler_ref()
 
     def step_scheduler(self, scheduler: Any) -> None:
         """The accumulator's own ``scheduler.step()``, its count remembered (also if it raises);
@@ -226,7 +233,7 @@ class Guard:
         Raises:
             RuntimeError: naming the group, both rates and the fix.
         """
-        refusal = None if self._rates is None else rate_change(self._rates, self._optimizer, then)
+        refusal = None if self._rates is None else rate_change(self._rates, self._optimizer(), then)
         if refusal is not None:
             self._rates = None
             raise RuntimeError(refusal)
@@ -235,6 +242,14 @@ class Guard:
         """Retire the step hook (a no-op once its accumulator is gone); it is taken off the
         optimizer when the next accumulator is made."""
         retire(self._handle)
+
+
+def _weakly(obj: Any) -> Callable[[], Any]:
+    """A callable giving ``obj`` back: a weak reference where ``obj`` takes one."""
+    try:
+        return weakref.ref(obj) if obj is not None else lambda: None
+    except TypeError:  # an object without weak references: held strongly
+        return lambda: obj
 
 
 def exact_grads(sync: Any) -> bool:
