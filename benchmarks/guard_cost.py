@@ -27,23 +27,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradaccum
+from gradaccum.bench.hot_path import OpCounter  # in 0.3.0 too
 from gradaccum.demos.gpt import GPT, GPTConfig
 
 STEPS, MICRO = 4, 8
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=12, n_head=2, n_embd=32)
-
-
-class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def loops() -> tuple[dict[str, Any], list[nn.Module]]:
@@ -81,7 +71,7 @@ def loops() -> tuple[dict[str, Any], list[nn.Module]]:
 def per_micro_step(run: Any, counter: str) -> float:
     run()
     if counter == "ops":
-        with _Ops() as c:
+        with OpCounter() as c:
             run()
             run()
         return c.count / (2 * STEPS)

@@ -8,7 +8,6 @@ balance), which must be measurably off.
 """
 
 import copy
-import re
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,10 @@ import torch
 pytest.importorskip("transformers")
 
 from gradaccum.bench.moe import lm_sum, padded_batches, tiny_qwen3_moe, window_reference
+from tests.integrations.common import run
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "MOE.md"
 SIZES, STEPS, WINDOWS = [3, 3, 2, 3], 4, 3
-
-
-def recipe(name, *replace):
-    """The code of the block marked ``<!-- recipe: name -->``, with ``(old, new)`` replacements."""
-    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
-    assert found, f"no recipe {name!r} in {DOC}"
-    code = found.group(1)
-    for old, new in replace:
-        assert code.count(old) == 1, (name, old)
-        code = code.replace(old, new)
-    return code
 
 
 def wide_loss(model, batch):
@@ -42,8 +31,7 @@ def run_recipe(base, loader, *replace):
     model = copy.deepcopy(base)
     namespace = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "loader": loader,
                  "steps": STEPS, "wide_loss": wide_loss}
-    code = recipe("moe-hugging-face", ("model(**batch).loss", "wide_loss(model, batch)"), *replace)
-    exec(compile(code, "MOE.md[moe-hugging-face]", "exec"), namespace)
+    run("moe-hugging-face", namespace, ("model(**batch).loss", "wide_loss(model, batch)"), *replace, doc=DOC)
     return model, namespace
 
 

@@ -7,7 +7,6 @@ negative twin (the same block with the token count wrong or missing) that must b
 import copy
 import itertools
 import math
-import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,25 +14,18 @@ import pytest
 import torch
 
 from gradaccum.demos.gpt import GPT, GPTConfig
+from tests.integrations import common
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "LANGUAGE_MODELS.md"
 SEQ = 16
 
 
 def recipe(name, *replace):
-    """The code of the block marked ``<!-- recipe: name -->``, with ``(old, new)`` replacements."""
-    found = re.search(rf"<!-- recipe: {re.escape(name)} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
-    assert found, f"no recipe {name!r} in {DOC}"
-    code = found.group(1)
-    for old, new in replace:
-        assert code.count(old) == 1, (name, old)
-        code = code.replace(old, new)
-    return code
+    return common.recipe(name, *replace, doc=DOC)
 
 
 def run(name, namespace, *replace):
-    exec(compile(recipe(name, *replace), f"LANGUAGE_MODELS.md[{name}]", "exec"), namespace)
-    return namespace
+    return common.run(name, namespace, *replace, doc=DOC)
 
 
 def max_diff(a, b):

@@ -307,12 +307,7 @@ class LoadBalance:
             raise ValueError(f"router {type(module).__name__} gave logits of {rows.shape[-1]} experts, "
                              f"expected num_experts={experts}")
         if pipe is not None and pipe.chunk is not None and pre is None:
-            assert window is not None and self._acc is not None
-            j = self._acc.micro_step
-            if j >= window.size or window.done:
-                raise ValueError(f"a forward of one more micro-batch than the {window.size} of the window "
-                                 "LoadBalance prepared: a window that differs from the one prepared; "
-                                 "nothing has changed")
+            window, j = self._forward_index(window, "")
             return pipe.router(window, j, layer, rows, self.top_k, not _in_backward(), output, logits)
         if pre is not None:
             j, prepared, fired = pre
@@ -323,12 +318,7 @@ class LoadBalance:
             if self._early_stop and len(fired) == len(self._layer):
                 raise _StopPrePass
             return None
-        assert window is not None and self._acc is not None
-        j = self._acc.micro_step
-        if j >= window.size or window.done:
-            raise ValueError(f"a forward of one more micro-batch than the {window.size} of the window "
-                             "LoadBalance prepared: a window that differs from the one prepared (feed "
-                             "the window's micro-batches as windows() gives them); nothing has changed")
+        window, j = self._forward_index(window, " (feed the window's micro-batches as windows() gives them)")
         rows = rows.detach()
         if not _in_backward():  # a checkpoint's recomputation was counted in the forward
             self._count(window, window.seen_routes, j, layer, rows)
@@ -364,6 +354,21 @@ class LoadBalance:
             raise ValueError("no router ran in this micro-batch's forward")
         slot = window.fill(j)
         slot.weight = window.weight(feed, None if self._acc is None else self._acc.scaler)
+
+    def _forward_index(self, window: PreparedWindow | None, hint: str) -> tuple[PreparedWindow, int]:
+        """The window and the prepared micro-batch a training forward belongs to (the
+        accumulator's micro-step).
+
+        Raises:
+            ValueError: a forward beyond the window prepared (``hint``: how to feed it).
+        """
+        assert window is not None and self._acc is not None
+        j = self._acc.micro_step
+        if j >= window.size or window.done:
+            raise ValueError(f"a forward of one more micro-batch than the {window.size} of the window "
+                             f"LoadBalance prepared: a window that differs from the one prepared{hint}; "
+                             "nothing has changed")
+        return window, j
 
     def _before_step(self, window: PreparedWindow, j: int, info: Any) -> None:
         """A ``backward_pipeline`` call: first checked before anything changes (``info.items``
