@@ -722,3 +722,22 @@ def test_a_dropped_accumulator_and_its_optimizer_are_freed_without_the_cyclic_co
         assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
+
+
+def test_a_backward_that_raised_half_way_is_refused_at_the_next_micro_batch_naming_it():
+    # Its gradients partly added (here: the head's, before the hook on the body's output raised),
+    # the window is refused until discarded, and the message names that cause.
+    model = Net()
+    acc = gradaccum.Accumulator(torch.optim.SGD(model.parameters(), lr=LR), 4, model=model)
+    x, y = data(12)
+    acc.backward(ce(model, x[:4], y[:4]))
+    h = torch.tanh(model.body(x[4:8]))
+    h.register_hook(lambda _: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        acc.backward(nn.functional.cross_entropy(model.head(h), y[4:8]))
+    assert acc.micro_step == 1
+    with pytest.raises(RuntimeError, match=r"^the gradient of parameter 'head\.weight' was changed in place.*"
+                                           r"one of the accumulator's that raised half-way"):
+        acc.backward(ce(model, x[8:], y[8:]))
+    acc.discard()
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())

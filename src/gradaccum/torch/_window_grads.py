@@ -202,7 +202,8 @@ class WindowGrads:
         raise RuntimeError(
             f"the window's gradients were {what} outside the accumulator after micro-batch {fed} "
             f"of {steps}: optimizer.zero_grad() or model.zero_grad() (or clipping the gradients) "
-            "inside an open window, or a backward pass of your own.{} The accumulator clears, "
+            "inside an open window, a backward pass of your own, or one of the accumulator's "
+            "that raised half-way (an exception in your code, Ctrl-C).{} The accumulator clears, "
             "clips and steps once per window, when acc.backward() completes it: remove those "
             "calls, then acc.discard() this window (its gradients are lost)".format(self._another()))
 
@@ -211,7 +212,8 @@ class WindowGrads:
             f"the gradient of {self._name(i)} was {what} outside the accumulator during this "
             f"window ({fed} of {steps} micro-batches fed): zero_grad(), clipping or scaling "
             "gradients yourself, setting .grad, or a backward pass of your own, inside an open "
-            "window.{} The accumulator clips and steps once per window, when acc.backward() "
+            "window, or one of the accumulator's that raised half-way (an exception in your code, "
+            "Ctrl-C).{} The accumulator clips and steps once per window, when acc.backward() "
             "completes it: remove that code, then acc.discard() this window (its gradients are "
             "lost)".format(self._another()))
 
